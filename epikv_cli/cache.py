@@ -1,0 +1,298 @@
+"""The budget cache: preallocated KV slots, logical positions, keep-set application.
+
+It knows nothing about scores. A policy names the slots to drop; :meth:`BudgetCache.evict` fills the
+holes with the newest entries (O(evicted) slot moves per layer, never a copy of the whole cache) and
+keeps a slot -> logical position map for whoever needs the order back.
+
+Layout of every evicting layer: ``keys``/``values`` of shape ``[1, kv_heads, capacity, head_dim]``;
+slots ``0 .. stored-1`` are live, in no particular order. Sliding-window layers (Mistral, Gemma 3's
+local layers) are bounded already and stay transformers' own ``DynamicSlidingWindowLayer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from .errors import UsageError
+
+_GROWTH = 2
+
+
+class SlotTable:
+    """Slot -> logical position map shared by all evicting layers (one global keep-set).
+
+    Attributes:
+        positions: ``[capacity]`` int64 on the CPU; ``positions[s]`` is the logical index of the token
+            in slot ``s``, valid for ``s < stored``.
+        stored: live slots.
+        seen: logical length, i.e. tokens ever appended.
+        committed: ``seen`` at the end of the last forward (tokens after it are still being scored).
+        prompt_len: tokens appended by the first forward, the prompt (``None`` before it).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.positions = torch.zeros(capacity, dtype=torch.long)
+        self.stored = 0
+        self.seen = 0
+        self.committed = 0
+        self.prompt_len: int | None = None
+
+    def append(self, count: int) -> None:
+        """Record ``count`` new tokens at the end of the live slots."""
+        needed = self.stored + count
+        if needed > self.positions.numel():
+            grown = torch.zeros(max(needed, self.positions.numel() * _GROWTH), dtype=torch.long)
+            grown[: self.stored] = self.positions[: self.stored]
+            self.positions = grown
+        self.positions[self.stored : needed] = torch.arange(self.seen, self.seen + count)
+        self.stored = needed
+        self.seen += count
+
+    def live_positions(self) -> torch.Tensor:
+        """``[stored]`` logical positions, in slot order."""
+        return self.positions[: self.stored]
+
+    def plan_eviction(self, slots: list[int]) -> tuple[list[int], list[int]]:
+        """Update the map for dropping ``slots``; return ``(holes, movers)``: move slot ``movers[i]`` to ``holes[i]``.
+
+        The newest live slots not being dropped fill the holes left below the new length, so only
+        ``len(slots)`` entries move.
+        """
+        drop = set(slots)
+        new_stored = self.stored - len(drop)
+        holes = sorted(s for s in drop if s < new_stored)
+        movers = [s for s in range(new_stored, self.stored) if s not in drop]
+        if holes:
+            self.positions[holes] = self.positions[movers]
+        self.stored = new_stored
+        return holes, movers
+
+
+class BudgetLayer(CacheLayerMixin):
+    """One evicting layer: preallocated slots that grow only when more than the capacity is appended.
+
+    Reports the logical length (tokens seen) as its sequence length, like transformers' sliding-window
+    layers, so default position ids and causal masks stay in logical coordinates after eviction.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0  # live slots in this layer (equals the table's stored between forwards)
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise UsageError(
+                f"the EpiKV cache holds one sequence (one global keep-set); got batch size {key_states.shape[0]}; "
+                "run prompts one at a time"
+            )
+        self.device = key_states.device
+        heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_zeros((1, heads, self.capacity, k_dim))
+        self.values = value_states.new_zeros((1, heads, self.capacity, v_dim))
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, self.capacity * _GROWTH)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[1, kv_heads, q, head_dim]`` new states into free slots; return the live ``[1, kv_heads, stored, head_dim]`` views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[-2]
+        end = self.length + count
+        if end > self.capacity:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        self.seen += count
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def move(self, holes: torch.Tensor, movers: torch.Tensor, new_length: int) -> None:
+        """Copy slots ``movers`` into ``holes`` (both ``[m]`` int64 on this layer's device) and shrink to ``new_length``."""
+        if holes.numel():
+            self.keys.index_copy_(2, holes, self.keys.index_select(2, movers))
+            self.values.index_copy_(2, holes, self.values.index_select(2, movers))
+        self.length = new_length
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live ``[1, kv_heads, stored, head_dim]`` keys and values (slot order)."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Slot j holds, for masking purposes, logical index (seen - length) + j: every stored token
+        # lies before the query, and new tokens are appended last, in order, so causality holds.
+        return self.length + query_length, self.seen - self.length
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.seen = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated key and value buffers."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the EpiKV cache cannot be cropped (assisted decoding is not supported)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the EpiKV cache holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("the EpiKV cache holds one sequence; use num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the EpiKV cache holds one sequence")
+
+
+class BudgetCache(Cache):
+    """A transformers ``Cache`` whose full-attention layers hold at most ``budget`` entries between steps.
+
+    Args:
+        config: the model config (its text config decides which layers are sliding).
+        budget: K; ``None`` for an unbounded cache (still preallocated, grows by doubling).
+        capacity: slots to preallocate per layer; default ``budget + 1`` (the step that appends a
+            token attends over K + 1 entries before the keep-set brings it back to K, as in the paper).
+        compressed_positions: report ``stored`` instead of ``seen`` as the next position.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        budget: int | None,
+        capacity: int | None = None,
+        compressed_positions: bool = False,
+    ) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        if capacity is None:
+            capacity = budget + 1 if budget is not None else 256
+        self.budget = budget
+        self.compressed_positions = compressed_positions
+        self.table = SlotTable(capacity)
+        layers: list = []
+        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                layers.append(BudgetLayer(capacity))
+            elif kind in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(**kwargs))
+            else:
+                raise UsageError(
+                    f"layer {index} is a {kind!r} layer; the EpiKV cache supports full and sliding attention only"
+                )
+        super().__init__(layers=layers)
+        self.budget_layer_indices = [i for i, layer in enumerate(layers) if isinstance(layer, BudgetLayer)]
+        self._first_budget_layer = self.budget_layer_indices[0] if self.budget_layer_indices else None
+        self.evicted_total = 0
+        self.peak_stored = 0
+
+    # -- transformers hooks -------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == self._first_budget_layer:
+            self.table.append(key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    @property
+    def budget_layers(self) -> list[BudgetLayer]:
+        return [self.layers[i] for i in self.budget_layer_indices]
+
+    @property
+    def stored(self) -> int:
+        """Live entries in every evicting layer."""
+        return self.table.stored
+
+    @property
+    def seen(self) -> int:
+        """Logical length: tokens appended so far."""
+        if self._first_budget_layer is None:
+            return self.get_seq_length()
+        return self.table.seen
+
+    def live_positions(self) -> torch.Tensor:
+        """``[stored]`` logical positions of the live slots, in slot order (CPU, int64)."""
+        return self.table.live_positions()
+
+    def position_ids(self, count: int, device: torch.device | str) -> torch.Tensor:
+        """``[1, count]`` RoPE positions for the next ``count`` tokens: logical, or compressed."""
+        start = self.stored if (self.compressed_positions and self._first_budget_layer is not None) else self.seen
+        return torch.arange(start, start + count, device=device).unsqueeze(0)
+
+    def over_budget(self) -> int:
+        """How many entries must leave to be back within the budget (0 when within it)."""
+        if self.budget is None:
+            return 0
+        return max(0, self.stored - self.budget)
+
+    def evict(self, slots: list[int]) -> list[int]:
+        """Drop ``slots`` from every evicting layer; return their logical positions."""
+        if not slots:
+            return []
+        positions = self.table.positions[slots].tolist()
+        holes, movers = self.table.plan_eviction(slots)
+        device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.budget_layers:
+            if not layer.is_initialized:
+                continue
+            if layer.device not in device_index:
+                device_index[layer.device] = (
+                    torch.tensor(holes, dtype=torch.long, device=layer.device),
+                    torch.tensor(movers, dtype=torch.long, device=layer.device),
+                )
+            layer.move(*device_index[layer.device], self.table.stored)
+        self.evicted_total += len(positions)
+        return positions
+
+    def commit(self) -> range:
+        """Close a forward: return the logical positions it appended."""
+        appended = range(self.table.committed, self.seen)
+        self.table.committed = self.seen
+        if self.table.prompt_len is None and len(appended):
+            self.table.prompt_len = len(appended)
+        return appended
+
+    @property
+    def prompt_len(self) -> int:
+        return self.table.prompt_len or 0
+
+    def kv_bytes(self) -> int:
+        """Bytes held by all key/value buffers (evicting layers' preallocations plus sliding windows)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size()
+                total += layer.values.numel() * layer.values.element_size()
+        return total
+

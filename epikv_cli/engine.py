@@ -1,0 +1,240 @@
+"""Prefill, then decode token by token under the budget cache; yield one event per generated token.
+
+Every consumer (plain printer, JSON, the panel, benchmarks) reads the same :class:`StepEvent` stream.
+Sampling goes through transformers' logits processors and stopping criteria.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .memory import peak_memory, reset_peak
+from .session import EpiKVSession
+from .settings import CacheSettings, SamplingSettings
+from .textstream import IncrementalDetokenizer
+
+
+@dataclass
+class StepEvent:
+    """One generated token and the cache state after the forward that produced its logits.
+
+    Attributes:
+        index: 0-based index among generated tokens.
+        token_id: the token chosen.
+        text: newly printable text (may be empty while a multi-byte character is incomplete).
+        position: logical position this token will occupy.
+        stored: live entries per evicting layer.
+        seen: logical length of the cached sequence.
+        evicted: logical positions evicted by that forward.
+        scored: ``(position, score)`` of tokens scored by that forward (EpiKV).
+        logits: ``[vocab]`` raw logits that produced this token (a view, not a copy).
+        elapsed: seconds since generation started (prefill included).
+    """
+
+    index: int
+    token_id: int
+    text: str
+    position: int
+    stored: int
+    seen: int
+    evicted: list[int]
+    scored: list[tuple[int, float]]
+    logits: torch.Tensor = field(repr=False)
+    elapsed: float
+
+
+@dataclass
+class GenerationResult:
+    """Summary of one generation; ``to_dict()`` is what ``--json`` prints."""
+
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    evicted: int
+    peak_stored: int
+    budget: int | None
+    policy: str
+    stop_reason: str  # "eos", "stop", "length" or "interrupted"
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_s: float | None
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    kv_cache_bytes: int
+    token_ids: list[int] = field(repr=False, default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("token_ids")
+        return data
+
+
+def build_logits_processors(sampling: SamplingSettings) -> LogitsProcessorList:
+    """transformers' warpers for temperature, top-k and top-p (empty when greedy)."""
+    processors = LogitsProcessorList()
+    if sampling.greedy:
+        return processors
+    processors.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        processors.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        processors.append(TopPLogitsWarper(sampling.top_p))
+    return processors
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+def _input_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+class Generation:
+    """One prompt's generation. Iterate for :class:`StepEvent`s; read :attr:`result` afterwards.
+
+    Args:
+        model: a loaded causal LM (batch size 1).
+        tokenizer: its tokenizer (for text and stop strings).
+        input_ids: ``[1, prompt_len]`` prompt ids.
+        cache: budget, policy, recent window, bands, positions.
+        sampling: decoding settings.
+
+    If iteration stops early (Ctrl-C, ``close()``), :attr:`result` still describes the tokens produced,
+    with ``stop_reason="interrupted"``.
+    """
+
+    def __init__(self, model, tokenizer, input_ids: torch.Tensor, cache: CacheSettings, sampling: SamplingSettings):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.input_ids = input_ids
+        self.cache_settings = cache
+        self.sampling = sampling
+        self.result: GenerationResult | None = None
+        self.tail_text = ""  # text the detokenizer still held when generation ended
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _forward(self, session: EpiKVSession, ids: torch.Tensor) -> torch.Tensor:
+        cache = session.cache
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                cache=cache,
+                position_ids=cache.position_ids(ids.shape[1], ids.device),
+                use_cache=True,
+                **kwargs,
+            )
+        return out.logits[0, -1]
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        model, sampling = self.model, self.sampling
+        device = _input_device(model)
+        prompt = self.input_ids.to(device)
+        prompt_len = prompt.shape[1]
+        total = prompt_len + sampling.max_new_tokens
+        budget = self.cache_settings.budget
+        capacity = min(budget + 1, total) if budget is not None else total
+
+        processors = build_logits_processors(sampling)
+        stop_criteria = StopStringCriteria(self.tokenizer, list(sampling.stop)) if sampling.stop else None
+        eos = set() if sampling.ignore_eos else eos_token_ids(model, self.tokenizer)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+
+        sequence = torch.empty((1, total), dtype=torch.long, device=device)
+        sequence[:, :prompt_len] = prompt
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stop_reason = "interrupted"
+        generated = 0
+        start = time.perf_counter()
+        prefill_seconds = 0.0
+        reset_peak(device)
+
+        with EpiKVSession(model, self.cache_settings, capacity=capacity) as session:
+            session.policy.check_budget(prompt_len, session.cache.budget)
+            try:
+                logits = self._forward(session, prompt)
+                for index in range(sampling.max_new_tokens):
+                    current = sequence[:, : prompt_len + index]
+                    scores = processors(current, logits.float().unsqueeze(0))
+                    if sampling.greedy:
+                        token = scores.argmax(dim=-1)
+                    else:
+                        probs = torch.softmax(scores, dim=-1)
+                        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                    token_id = int(token.item())
+                    if index == 0:
+                        prefill_seconds = time.perf_counter() - start
+                    sequence[0, prompt_len + index] = token_id
+                    generated = index + 1
+                    last = session.last
+                    yield StepEvent(
+                        index=index,
+                        token_id=token_id,
+                        text=detok.push(token_id),
+                        position=prompt_len + index,
+                        stored=session.cache.stored,
+                        seen=session.cache.seen,
+                        evicted=last.evicted,
+                        scored=[(p, s) for p in last.appended if (s := session.policy.score_of(p)) is not None],
+                        logits=logits,
+                        elapsed=time.perf_counter() - start,
+                    )
+                    if token_id in eos:
+                        stop_reason = "eos"
+                        break
+                    if stop_criteria is not None and bool(stop_criteria(sequence[:, : prompt_len + generated], None)[0]):
+                        stop_reason = "stop"
+                        break
+                    if generated == sampling.max_new_tokens:
+                        stop_reason = "length"
+                        break
+                    logits = self._forward(session, token.view(1, 1))
+            finally:
+                self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device)
+
+    def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device):
+        elapsed = time.perf_counter() - start
+        decode_seconds = max(elapsed - prefill_seconds, 0.0) if generated else 0.0
+        token_ids = sequence[0, prompt_len : prompt_len + generated].tolist()
+        memory, kind = peak_memory(device)
+        self.tail_text = detok.flush()
+        self.result = GenerationResult(
+            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            prompt_tokens=prompt_len,
+            generated_tokens=generated,
+            evicted=session.cache.evicted_total,
+            peak_stored=session.cache.peak_stored,
+            budget=session.cache.budget,
+            policy=self.cache_settings.policy,
+            stop_reason=stop_reason,
+            prefill_seconds=round(prefill_seconds, 6),
+            decode_seconds=round(decode_seconds, 6),
+            decode_tokens_per_s=round((generated - 1) / decode_seconds, 3) if generated > 1 and decode_seconds else None,
+            peak_memory_bytes=memory,
+            peak_memory_kind=kind,
+            kv_cache_bytes=session.cache.kv_bytes(),
+            token_ids=token_ids,
+        )

@@ -1,0 +1,14 @@
+"""Errors that reach the user as one line on stderr."""
+
+from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the CLI prints the message on one line and exits with status 2.
+
+    The message says what is wrong and what to do about it.
+    """
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the CLI prints the message and exits with status 2."""

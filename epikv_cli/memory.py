@@ -1,0 +1,22 @@
+"""Peak memory: the CUDA allocator's peak on GPUs, the process's peak RSS elsewhere."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak window (CUDA only: the RSS peak of a process cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """``(bytes, kind)``: ``cuda_allocated`` peak since :func:`reset_peak`, or ``process_rss`` peak."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process_rss"

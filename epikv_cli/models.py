@@ -1,0 +1,152 @@
+"""Resolve ``--model``, load model and tokenizer through Accelerate, choose the attention kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .demo_model import ensure_demo_model
+from .errors import ModelLoadError, UsageError
+from .settings import ModelSettings
+
+ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
+#: Architectures whose attention needs eager (soft-capping that SDPA kernels do not implement).
+EAGER_ONLY = frozenset({"gemma2"})
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights come from: ``kind`` is ``dir``, ``gguf`` or ``hub``; ``location`` the path or id."""
+
+    kind: str
+    location: str
+    gguf_file: str | None = None
+
+    @property
+    def root(self) -> str:
+        return str(Path(self.location).parent) if self.kind == "gguf" else self.location
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: ModelSource
+    attn: str
+
+
+def resolve_source(spec: str | None, log=None) -> ModelSource:
+    """Turn ``--model`` into a :class:`ModelSource`; ``None`` fetches the demo model if needed."""
+    if spec is None:
+        return ModelSource("dir", str(ensure_demo_model(log) if log else ensure_demo_model()))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise UsageError(f"model file not found: {spec}; give an existing .gguf file")
+        return ModelSource("gguf", str(path), gguf_file=path.name)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"{spec} has no config.json; give a directory saved with save_pretrained")
+        return ModelSource("dir", str(path))
+    if path.exists():
+        raise UsageError(f"{spec} is neither a model directory nor a .gguf file")
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise UsageError(f"model path not found: {spec}; give an existing directory, a .gguf file, or a Hub id (org/name)")
+    return ModelSource("hub", spec)
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def choose_attn(requested: str, *, on_cuda: bool, flash_available: bool, model_type: str, dtype: torch.dtype | None) -> str:
+    """The attention implementation to load with.
+
+    ``auto``: eager for architectures that need it, flash_attention_2 when flash-attn is installed and
+    the model runs on CUDA in half precision, otherwise sdpa (which itself dispatches to flash kernels on CUDA).
+    """
+    if requested not in ATTN_CHOICES:
+        raise UsageError(f"--attn must be one of {', '.join(ATTN_CHOICES)}, got {requested!r}")
+    if requested == "flash_attention_2" and not (flash_available and on_cuda):
+        raise UsageError(
+            "--attn flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install 'epikv[flash]'); use --attn sdpa"
+        )
+    if requested != "auto":
+        return requested
+    if model_type in EAGER_ONLY:
+        return "eager"
+    if on_cuda and flash_available and dtype in (torch.float16, torch.bfloat16):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _runs_on_cuda(device_map: str) -> bool:
+    return torch.cuda.is_available() and not device_map.startswith(("cpu", "mps", "disk"))
+
+
+def _torch_dtype(name: str, config_dtype, source: ModelSource, on_cuda: bool):
+    if name != "auto":
+        return getattr(torch, name)
+    if source.kind == "gguf":  # GGUF weights are de-quantised; float32 keeps them exact
+        return torch.float32
+    return "auto"
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def load(settings: ModelSettings, log=None) -> LoadedModel:
+    """Load model and tokenizer as ``settings`` say; errors become :class:`ModelLoadError` or :class:`UsageError`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    source = resolve_source(settings.model, log)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        try:
+            config = AutoConfig.from_pretrained(source.root, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source.root, **kwargs)
+        except (OSError, ValueError) as error:
+            if source.kind == "hub":
+                raise ModelLoadError(
+                    f"could not get {source.location!r} from the Hugging Face Hub ({_one_line(error)}); "
+                    "check the id and the network, or pass a local directory or .gguf file"
+                ) from None
+            raise ModelLoadError(f"cannot load {source.location}: {_one_line(error)}") from None
+        on_cuda = _runs_on_cuda(settings.device_map)
+        dtype = _torch_dtype(settings.dtype, getattr(config, "dtype", None), source, on_cuda)
+        resolved_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(config, "dtype", None)
+        if isinstance(resolved_dtype, str):
+            resolved_dtype = getattr(torch, resolved_dtype, None)
+        attn = choose_attn(
+            settings.attn,
+            on_cuda=on_cuda,
+            flash_available=flash_attn_installed(),
+            model_type=getattr(config, "model_type", ""),
+            dtype=resolved_dtype,
+        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.root, dtype=dtype, device_map=settings.device_map, attn_implementation=attn, **kwargs
+            )
+        except (OSError, ValueError, RuntimeError) as error:
+            raise ModelLoadError(f"cannot load the weights of {source.location}: {_one_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    model.eval()
+    return LoadedModel(model, tokenizer, source, attn)

@@ -1,0 +1,70 @@
+"""Attention-free baselines: the full cache, StreamingLLM and random eviction."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..settings import CacheSettings
+from .base import Policy, evictable_mask
+
+if TYPE_CHECKING:
+    from ..cache import BudgetCache
+
+
+class FullCache(Policy):
+    """No eviction: the reference every budget is compared with."""
+
+    name = "full"
+    evicts = False
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> FullCache:
+        return cls()
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        return []
+
+
+class Streaming(Policy):
+    """StreamingLLM (arXiv 2309.17453): the first ``sinks`` tokens plus the most recent ``K - sinks``."""
+
+    name = "streaming"
+    protects_prompt = False
+
+    def __init__(self, sinks: int = 4) -> None:
+        self.sinks = sinks
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> Streaming:
+        return cls()
+
+    def min_budget(self, prompt_len: int) -> int:
+        return self.sinks + 1
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        slots = torch.nonzero(positions >= self.sinks, as_tuple=True)[0]
+        oldest = slots[torch.argsort(positions[slots])]
+        return oldest[:count].tolist()
+
+
+class RandomEviction(Policy):
+    """Uniform choice among evictable tokens (prompt and recent window kept), seeded."""
+
+    name = "random"
+
+    def __init__(self, recent: int, seed: int = 0) -> None:
+        self.recent = recent
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> RandomEviction:
+        return cls(recent=settings.recent_window, seed=settings.seed)
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        slots = torch.nonzero(evictable_mask(positions, cache.prompt_len, cache.seen, self.recent), as_tuple=True)[0]
+        pick = torch.randperm(slots.numel(), generator=self.generator)[:count]
+        return slots[pick].tolist()

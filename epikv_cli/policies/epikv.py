@@ -1,0 +1,130 @@
+"""EpiKV-Flat (Kolawole & Smith, arXiv 2606.26472): evict the tokens with the lowest epiphany score.
+
+For each generated token t and band (layer l, sign w):
+    d_l(t) = || h_l(t) - h_l(t-1) ||_2          (output of decoder block l, token-to-token change)
+    z_l(t) = (d_l(t) - mean) / (std + 1e-6)      (last 64 values of d_l, population std; 0 below two)
+    s(t)   = sum_bands w * z_l(t)                (frozen once computed)
+No attention weights, keys or logits are read, so SDPA and FlashAttention kernels run unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError
+from ..settings import ZSCORE_EPS, ZSCORE_WINDOW, CacheSettings
+from .keep_scored import ScoredPolicy
+
+#: Paper bands on a 32-layer model: (10, +1) and (21, -1); other depths use the same fractions.
+DEFAULT_BAND_FRACTIONS = ((10 / 31, 1.0), (21 / 31, -1.0))
+
+
+def default_bands(num_layers: int) -> tuple[tuple[int, float], ...]:
+    """The layers nearest depth fractions 10/31 and 21/31 of ``num_layers - 1``, signs +1 and -1."""
+    return tuple((math.floor(fraction * (num_layers - 1) + 0.5), sign) for fraction, sign in DEFAULT_BAND_FRACTIONS)
+
+
+class RollingZScore:
+    """Causal z-score of a stream against its last ``window`` values (current one included).
+
+    ``push(d)`` returns ``(d - mean) / (std + eps)`` with the population std (divide by n), or 0 while
+    fewer than two values exist.
+    """
+
+    def __init__(self, window: int = ZSCORE_WINDOW, eps: float = ZSCORE_EPS) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+        self.eps = eps
+
+    def push(self, value: float) -> float:
+        self.values.append(value)
+        n = len(self.values)
+        if n < 2:
+            return 0.0
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
+        return (value - mean) / (std + self.eps)
+
+
+@dataclass
+class Band:
+    """One (layer, sign) pair with its state: the previous hidden vector and the z-score ring."""
+
+    layer: int
+    sign: float
+    zscore: RollingZScore
+    previous: torch.Tensor | None = None  # [hidden] float32, the last token's block output
+
+
+@dataclass
+class StepScore:
+    """What EpiKV computed for one generated token."""
+
+    position: int
+    score: float
+    changes: tuple[float, ...]  # d per band
+    zscores: tuple[float, ...]  # z per band
+
+
+class EpiKV(ScoredPolicy):
+    """EpiKV-Flat. ``bands=None`` uses :func:`default_bands` for the model's depth."""
+
+    name = "epikv"
+
+    def __init__(
+        self,
+        recent: int,
+        bands: tuple[tuple[int, float], ...] | None = None,
+        window: int = ZSCORE_WINDOW,
+        eps: float = ZSCORE_EPS,
+    ) -> None:
+        super().__init__()
+        if window < 2:
+            raise UsageError(f"the z-score window must hold at least 2 values, got {window}")
+        self.recent = recent
+        self.requested_bands = bands
+        self.window = window
+        self.eps = eps
+        self.bands: list[Band] = []
+        self.last: list[StepScore] = []
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> EpiKV:
+        return cls(recent=settings.recent_window, bands=settings.bands)
+
+    def setup(self, num_layers: int) -> None:
+        pairs = self.requested_bands or default_bands(num_layers)
+        for layer, _ in pairs:
+            if not 0 <= layer < num_layers:
+                raise UsageError(
+                    f"band layer {layer} is out of range: the model has {num_layers} decoder layers (0-{num_layers - 1})"
+                )
+        self.bands = [Band(layer, sign, RollingZScore(self.window, self.eps)) for layer, sign in pairs]
+
+    def tap_layers(self) -> list[int]:
+        return sorted({band.layer for band in self.bands})
+
+    def observe(self, hidden: dict[int, torch.Tensor], appended: range, prompt: bool) -> None:
+        self.last = []
+        if prompt:
+            for band in self.bands:
+                band.previous = hidden[band.layer][0, -1].detach().float().clone()
+            return
+        changes = []
+        for band in self.bands:
+            states = hidden[band.layer][0].detach().float()  # [q, hidden]
+            if band.previous is None:  # no prefill seen: the first token has nothing to differ from
+                band.previous = states[0]
+            chain = torch.cat([band.previous.to(states.device).unsqueeze(0), states])
+            changes.append((chain[1:] - chain[:-1]).norm(dim=-1).cpu())  # [q]
+            band.previous = states[-1].clone()
+        per_band = torch.stack(changes).tolist()  # [bands][q]
+        for j, position in enumerate(appended):
+            ds = tuple(per_band[b][j] for b in range(len(self.bands)))
+            zs = tuple(band.zscore.push(d) for band, d in zip(self.bands, ds))
+            score = sum(band.sign * z for band, z in zip(self.bands, zs))
+            self.book.set(position, score)
+            self.last.append(StepScore(position, score, ds, zs))

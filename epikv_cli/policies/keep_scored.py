@@ -1,0 +1,61 @@
+"""Shared machinery for policies that keep a frozen score per token: the book and the keep rule."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Policy, evictable_mask, lowest
+
+if TYPE_CHECKING:
+    from ..cache import BudgetCache
+
+
+class ScoreBook:
+    """Frozen per-token scores indexed by logical position (float64, NaN where unscored).
+
+    Indexing by position rather than slot means eviction never has to move scores: a score is written
+    once, when its token is generated, and read back by position whenever the keep-set is chosen.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._scores = torch.full((capacity,), math.nan, dtype=torch.float64)
+
+    def set(self, position: int, score: float) -> None:
+        if position >= self._scores.numel():
+            grown = torch.full((max(position + 1, 2 * self._scores.numel()),), math.nan, dtype=torch.float64)
+            grown[: self._scores.numel()] = self._scores
+            self._scores = grown
+        self._scores[position] = score
+
+    def get(self, position: int) -> float | None:
+        if position >= self._scores.numel():
+            return None
+        value = float(self._scores[position])
+        return None if math.isnan(value) else value
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[n]`` scores of the given logical positions (NaN when unscored)."""
+        out = torch.full(positions.shape, math.nan, dtype=torch.float64)
+        inside = positions < self._scores.numel()
+        out[inside] = self._scores[positions[inside]]
+        return out
+
+
+class ScoredPolicy(Policy):
+    """A policy whose tokens carry a frozen score; evicts the lowest-scoring evictable tokens."""
+
+    has_scores = True
+
+    def __init__(self) -> None:
+        self.book = ScoreBook()
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
+        return lowest(self.book.gather(positions), positions, candidates, count)
+
+    def score_of(self, position: int) -> float | None:
+        return self.book.get(position)

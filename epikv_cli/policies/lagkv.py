@@ -1,0 +1,98 @@
+"""Lag-KV, the causal "lag-normalized KV" variant of the EpiKV paper (after LagKV, arXiv 2504.04704).
+
+At every eviction, over the whole current cache:
+  1. average the key vectors of all evicting layers element-wise -> ``[kv_heads, n, head_dim]`` in
+     logical order (same for values);
+  2. cut the n tokens into chunks of 128, prompt included; chunk 0 stays raw, chunk c >= 1 is min-max
+     normalised per head and channel with the min and max of chunk c - 1:
+     ``x_hat = (x - min) / (max - min + 1e-9)``;
+  3. token score = unbiased std over head_dim of x_hat, mean over heads; keys + values.
+The lowest-scoring evictable tokens leave (same protection as EpiKV-Flat). No softmax.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..settings import CacheSettings
+from .base import Policy, evictable_mask, lowest
+
+if TYPE_CHECKING:
+    from ..cache import BudgetCache
+
+LAG_CHUNK = 128
+LAG_EPS = 1e-9
+
+
+def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> torch.Tensor:
+    """Lag-normalised token scores.
+
+    Args:
+        x: ``[heads, n, dim]`` vectors in logical order.
+    Returns:
+        ``[n]`` float32: per token, the unbiased std over ``dim`` of the normalised vector, mean over heads.
+    """
+    heads, n, dim = x.shape
+    x = x.float()
+    chunks = -(-n // chunk)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, chunks * chunk - n))
+    blocks = padded.view(heads, chunks, chunk, dim)
+    normalised = blocks.clone()
+    if chunks > 1:
+        # min/max of each full previous chunk (a chunk followed by another is always full)
+        reference = blocks[:, :-1]
+        low = reference.amin(dim=2, keepdim=True)
+        high = reference.amax(dim=2, keepdim=True)
+        normalised[:, 1:] = (blocks[:, 1:] - low) / (high - low + eps)
+    normalised = normalised.view(heads, chunks * chunk, dim)[:, :n]
+    return normalised.std(dim=-1, unbiased=True).mean(dim=0)
+
+
+def layer_mean(cache: BudgetCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise mean over evicting layers of the live keys and values, ``[kv_heads, n, dim]`` each (slot order)."""
+    keys = values = None
+    layers = cache.budget_layers
+    for layer in layers:
+        k, v = layer.live()
+        k, v = k[0].float(), v[0].float()
+        if keys is None:
+            keys, values = k.clone(), v.clone()
+        else:
+            keys += k.to(keys.device)
+            values += v.to(values.device)
+    return keys / len(layers), values / len(layers)
+
+
+class LagKV(Policy):
+    """Lag-KV: scores recomputed from the cached keys and values at every eviction."""
+
+    name = "lagkv"
+
+    def __init__(self, recent: int, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
+        self.recent = recent
+        self.chunk = chunk
+        self.eps = eps
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> LagKV:
+        return cls(recent=settings.recent_window)
+
+    def token_scores(self, cache: BudgetCache) -> torch.Tensor:
+        """``[stored]`` Lag-KV scores of the live slots, in slot order."""
+        positions = cache.live_positions()
+        order = torch.argsort(positions)
+        keys, values = layer_mean(cache)
+        order_dev = order.to(keys.device)
+        logical = lag_scores(keys[:, order_dev], self.chunk, self.eps) + lag_scores(
+            values[:, order_dev], self.chunk, self.eps
+        )
+        scores = torch.empty_like(logical)
+        scores[order_dev] = logical
+        return scores.cpu()
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
+        return lowest(self.token_scores(cache), positions, candidates, count)

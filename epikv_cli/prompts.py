@@ -1,0 +1,41 @@
+"""Prompt text (or chat messages) -> token ids, through the tokenizer's chat template when it has one."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UsageError
+from .settings import PromptSettings
+
+
+def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    """``[{"role": "system", ...}, {"role": "user", ...}]`` for one prompt."""
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": prompt}]
+
+
+def build_input_ids(
+    tokenizer, prompt: str | None = None, settings: PromptSettings = PromptSettings(), messages: list | None = None
+) -> torch.Tensor:
+    """Token ids ``[1, prompt_len]`` for a prompt string or a list of chat messages.
+
+    With a chat template (and ``settings.chat_template``), the template is applied with the
+    generation prompt added; otherwise the text is tokenized as is, with the tokenizer's special tokens.
+    """
+    if messages is None:
+        if prompt is None or not prompt.strip():
+            raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")
+        messages = build_messages(prompt, settings.system)
+    elif not messages:
+        raise UsageError("the message list is empty; give at least one {'role': 'user', 'content': ...}")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if settings.chat_template and has_template:
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        return encoded["input_ids"]
+    if any(m.get("role") == "system" for m in messages):
+        why = "--no-chat-template was given" if has_template else "this tokenizer has no chat template"
+        raise UsageError(f"--system needs a chat template but {why}; put the instructions in the prompt instead")
+    text = "\n\n".join(str(m.get("content", "")) for m in messages)
+    return tokenizer(text, return_tensors="pt")["input_ids"]

@@ -1,0 +1,125 @@
+"""Put the budget cache, its policy and its taps on a loaded model.
+
+After every forward that used the cache, the policy sees the appended tokens (and scores them), then
+the cache is brought back within the budget. The same hooks serve ``epikv generate`` and plain
+``model.generate``::
+
+    with epikv_cli.attach(model, budget=4096) as cache:
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=2048)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from torch import nn
+
+from .cache import BudgetCache
+from .policies import Policy, make_policy
+from .settings import CacheSettings
+from .taps import HiddenStateTaps, decoder_blocks
+
+
+@dataclass
+class ForwardRecord:
+    """What happened to the cache in the latest forward."""
+
+    appended: range = range(0)
+    evicted: list[int] = field(default_factory=list)  # logical positions
+
+
+class EpiKVSession:
+    """Owns a :class:`BudgetCache`, the policy that evicts from it and the hooks that feed the policy.
+
+    Use it as a context manager; on exit every hook is removed and the model is as it was.
+    """
+
+    def __init__(self, model: nn.Module, settings: CacheSettings, capacity: int | None = None) -> None:
+        self.model = model
+        self.settings = settings
+        self.policy: Policy = make_policy(settings)
+        self.policy.setup(len(decoder_blocks(model)))
+        budget = settings.budget if self.policy.evicts else None
+        self.cache = BudgetCache(
+            model.config, budget, capacity=capacity, compressed_positions=settings.positions == "compressed"
+        )
+        self.cache.policy = self.policy
+        self.last = ForwardRecord()
+        self.taps = HiddenStateTaps(model, self.policy.tap_layers())
+        self._handles = [model.register_forward_hook(self._after_forward)]
+        if self.cache.compressed_positions:
+            self._handles.append(model.register_forward_pre_hook(self._compressed_positions, with_kwargs=True))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _uses_cache(self, kwargs: dict) -> bool:
+        return kwargs.get("cache") is self.cache or kwargs.get("past_key_values") is self.cache
+
+    def _compressed_positions(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self._uses_cache(kwargs):
+            return None
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        kwargs["position_ids"] = self.cache.position_ids(inputs.shape[1], inputs.device)
+        return args, kwargs
+
+    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
+        appended = self.cache.commit()
+        if not len(appended):
+            self.taps.clear()
+            return
+        prompt = appended.start == 0
+        if prompt:
+            self.policy.check_budget(len(appended), self.cache.budget)
+        self.policy.observe(self.taps.outputs, appended, prompt)
+        self.taps.clear()
+        over = self.cache.over_budget()
+        evicted = self.cache.evict(self.policy.select(self.cache, over)) if over else []
+        self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)
+        self.last = ForwardRecord(appended, evicted)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.taps.remove()
+
+    def __enter__(self) -> EpiKVSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextmanager
+def attach(
+    model: nn.Module,
+    budget: int | None = 4096,
+    policy: str = "epikv",
+    recent: int | None = None,
+    bands: tuple[tuple[int, float], ...] | None = None,
+    positions: str = "logical",
+    seed: int = 0,
+) -> Iterator[BudgetCache]:
+    """Run ``model`` under an EpiKV-managed cache of at most ``budget`` entries per evicting layer.
+
+    Yields the cache to pass as ``past_key_values=`` (or ``cache=``) to ``model.generate`` or to the
+    forward. Batch size 1; no beam search. The cache exposes ``stored``, ``seen``, ``evicted_total``,
+    ``peak_stored``, ``live_positions()`` and ``policy`` (``policy.score_of(position)`` for EpiKV).
+
+    Args:
+        budget: K, prompt included; ``None`` only with ``policy="full"``.
+        policy: a name from ``epikv_cli.policies.POLICIES``.
+        recent: R, generated tokens always kept; default ``min(128, K // 4)``.
+        bands: EpiKV ``(layer, sign)`` pairs; default the paper's depth fractions.
+        positions: ``"logical"`` (default) or ``"compressed"`` (paper-time harness).
+        seed: for ``policy="random"``.
+    """
+    settings = CacheSettings(
+        budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed
+    )
+    with EpiKVSession(model, settings) as session:
+        yield session.cache

@@ -1,0 +1,95 @@
+"""Shared fixtures: a byte-level tokenizer and tiny random models built from configs (no Hub access)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per byte plus a few specials, with a chat template."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[2:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+VOCAB = 272  # 256 bytes + 5 specials, rounded up
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=257,
+)
+
+ARCHITECTURES = {
+    "llama": lambda: LlamaConfig(**COMMON, num_key_value_heads=2),
+    "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2),
+    "qwen3": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=8),
+    "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None),
+    "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2),
+    "gpt_neox": lambda: GPTNeoXConfig(**COMMON),
+    # Gemma 3: layers 0-4 sliding (window 8), layer 5 global.
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=8, sliding_window=8
+    ),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random float32 model of the given architecture, in eval mode."""
+    config = ARCHITECTURES[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama saved with its tokenizer, loadable by ``epikv generate --model DIR``."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 257
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,92 @@
+"""The budget cache: preallocated slots, O(evicted) moves, logical masks, sliding layers untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epikv_cli.cache import BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.errors import UsageError
+
+from conftest import ARCHITECTURES
+
+
+def states(n, heads=2, dim=4, start=0):
+    """[1, heads, n, dim] states whose every entry encodes its token index."""
+    base = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1)
+    return base.expand(1, heads, n, dim).clone(), (base + 0.5).expand(1, heads, n, dim).clone()
+
+
+def test_slot_table_fills_holes_with_the_newest_entries():
+    table = SlotTable(8)
+    table.append(6)
+    holes, movers = table.plan_eviction([1, 4])
+    assert (holes, movers) == ([1], [5])
+    assert table.live_positions().tolist() == [0, 5, 2, 3]
+    assert table.stored == 4 and table.seen == 6
+
+
+def test_layer_append_and_evict_touch_only_the_slots_involved():
+    layer = BudgetLayer(capacity=9)
+    layer.update(*states(8))
+    buffer = layer.keys.data_ptr()
+    before = layer.keys.clone()
+    holes, movers = torch.tensor([2]), torch.tensor([7])
+    layer.move(holes, movers, new_length=7)
+    assert layer.keys.data_ptr() == buffer  # no reallocation, no whole-cache copy
+    changed = (layer.keys != before).any(dim=-1).any(dim=1)[0]
+    assert torch.nonzero(changed).flatten().tolist() == [2]
+    assert layer.keys[0, 0, 2, 0] == 7
+    layer.update(*states(1, start=8))  # the freed slot 7 is reused
+    assert layer.keys.data_ptr() == buffer
+    assert layer.keys[0, 0, 7, 0] == 8 and layer.length == 8
+
+
+def test_layer_grows_when_more_than_capacity_is_appended():
+    layer = BudgetLayer(capacity=4)
+    k, v = layer.update(*states(3))
+    k, v = layer.update(*states(3, start=3))
+    assert layer.capacity >= 6 and k.shape[-2] == 6
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_layer_reports_logical_length_and_offsets_the_mask():
+    layer = BudgetLayer(capacity=8)
+    layer.update(*states(6))
+    layer.move(torch.tensor([1]), torch.tensor([5]), new_length=5)
+    assert layer.get_seq_length() == 6  # tokens seen, like sliding-window layers
+    assert layer.get_mask_sizes(1) == (6, 1)  # 5 stored + 1 new, first slot counts as logical 1
+
+
+def test_batch_size_above_one_is_refused():
+    layer = BudgetLayer(capacity=4)
+    k, v = states(2)
+    with pytest.raises(UsageError, match="batch size 2"):
+        layer.update(k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+
+
+def test_cache_evicts_the_same_slots_in_every_layer():
+    config = ARCHITECTURES["llama"]()
+    cache = BudgetCache(config, budget=6)
+    for layer_idx in range(config.num_hidden_layers):
+        cache.update(*states(8), layer_idx)
+    cache.commit()
+    evicted = cache.evict([0, 3])
+    assert evicted == [0, 3]
+    assert cache.stored == 6 and cache.seen == 8
+    for layer in cache.budget_layers:
+        assert layer.live()[0][0, 0, :, 0].tolist() == cache.live_positions().tolist()
+    assert cache.evicted_total == 2
+
+
+def test_gemma3_keeps_sliding_layers_and_budgets_global_ones():
+    cache = BudgetCache(ARCHITECTURES["gemma3"](), budget=16)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer"] * 5 + ["BudgetLayer"]
+    assert cache.budget_layer_indices == [5]
+
+
+def test_preallocates_budget_plus_one_slots():
+    cache = BudgetCache(ARCHITECTURES["llama"](), budget=32)
+    cache.update(*states(10), 0)
+    assert cache.layers[0].keys.shape[-2] == 33
+    assert cache.kv_bytes() == 2 * 33 * 2 * 4 * 4

@@ -1,0 +1,70 @@
+"""The keep rule and the attention-free baselines."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from epikv_cli.errors import UsageError
+from epikv_cli.policies import POLICIES, make_policy
+from epikv_cli.policies.base import evictable_mask, lowest
+from epikv_cli.policies.baselines import RandomEviction, Streaming
+from epikv_cli.policies.epikv import EpiKV
+from epikv_cli.settings import CacheSettings
+
+
+def fake_cache(positions, prompt_len, seen):
+    return SimpleNamespace(live_positions=lambda: torch.tensor(positions), prompt_len=prompt_len, seen=seen)
+
+
+def test_evictable_excludes_prompt_and_recent_window():
+    positions = torch.arange(12)
+    mask = evictable_mask(positions, prompt_len=3, seen=12, recent=2)
+    assert torch.nonzero(mask).flatten().tolist() == list(range(3, 10))
+
+
+def test_lowest_breaks_ties_by_age():
+    scores = torch.tensor([1.0, 0.5, 0.5, 2.0, 0.5])
+    positions = torch.tensor([10, 7, 3, 1, 9])
+    candidates = torch.tensor([True, True, True, True, False])
+    assert lowest(scores, positions, candidates, 2) == [2, 1]  # positions 3, then 7
+
+
+def test_scored_keep_rule_on_scrambled_slots():
+    policy = EpiKV(recent=2, bands=((0, 1.0),))
+    # slots hold positions in scrambled order (after earlier evictions)
+    positions = [0, 1, 2, 11, 4, 9, 6, 10, 8]
+    for position, score in {4: 0.3, 6: -1.0, 8: 0.0, 9: -5.0, 10: -9.0, 11: -9.0}.items():
+        policy.book.set(position, score)
+    cache = fake_cache(positions, prompt_len=3, seen=12)
+    # 10 and 11 are the recent window, 0-2 the prompt: the lowest of {4, 6, 8, 9} is 9 (slot 5)
+    assert policy.select(cache, 1) == [5]
+    assert policy.select(cache, 2) == [5, 6]
+
+
+def test_streaming_keeps_sinks_and_most_recent():
+    cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], prompt_len=6, seen=9)
+    assert Streaming().select(cache, 2) == [4, 5]  # sinks 0-3 stay, oldest others leave, prompt included
+
+
+def test_random_is_seeded_and_respects_protection():
+    cache = fake_cache(list(range(20)), prompt_len=4, seen=20)
+    a = RandomEviction(recent=5, seed=1).select(cache, 4)
+    b = RandomEviction(recent=5, seed=1).select(cache, 4)
+    assert a == b and all(4 <= s < 15 for s in a)
+
+
+def test_registry_builds_each_policy():
+    for name in POLICIES:
+        budget = None if name == "full" else 64
+        policy = make_policy(CacheSettings(budget=budget, policy=name))
+        assert policy.name == name
+
+
+def test_budget_check_names_the_fix():
+    policy = make_policy(CacheSettings(budget=40, policy="epikv"))
+    with pytest.raises(UsageError, match="use --budget 41 or more"):
+        policy.check_budget(prompt_len=30, budget=40)  # recent = min(128, 40 // 4) = 10
+    policy.check_budget(prompt_len=29, budget=40)
