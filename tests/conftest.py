@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no test may need the Hub
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -18,8 +20,6 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

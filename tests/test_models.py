@@ -1,0 +1,77 @@
+"""Resolving --model and choosing the attention implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epikv_cli.errors import ModelLoadError, UsageError
+from epikv_cli.models import choose_attn, load, resolve_source
+from epikv_cli.settings import ModelSettings
+
+
+def test_resolve_directory(tiny_model_dir):
+    assert resolve_source(str(tiny_model_dir)).kind == "dir"
+
+
+def test_resolve_directory_without_config(tmp_path):
+    with pytest.raises(UsageError, match="no config.json"):
+        resolve_source(str(tmp_path))
+
+
+def test_resolve_gguf(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    source = resolve_source(str(gguf))
+    assert (source.kind, source.gguf_file, source.root) == ("gguf", "m.gguf", str(tmp_path))
+
+
+@pytest.mark.parametrize("spec", ["/no/such/dir", "./relative/missing", "a/b/c", "missing.gguf", "bad id!"])
+def test_resolve_missing_paths(spec):
+    with pytest.raises(UsageError):
+        resolve_source(spec)
+
+
+@pytest.mark.parametrize("spec", ["Qwen/QwQ-32B", "gpt2", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"])
+def test_resolve_hub_ids(spec):
+    assert resolve_source(spec).kind == "hub"
+
+
+def test_unreachable_hub_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="Hugging Face Hub"):
+        load(ModelSettings(model="nobody-here/no-such-model"))
+
+
+def test_load_local_directory(tiny_model_dir):
+    loaded = load(ModelSettings(model=str(tiny_model_dir), dtype="bfloat16"))
+    assert loaded.model.dtype == torch.bfloat16 and loaded.attn == "sdpa"
+    assert loaded.model.config._attn_implementation == "sdpa"
+    assert load(ModelSettings(model=str(tiny_model_dir), attn="eager")).model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    "requested, on_cuda, flash, model_type, dtype, expected",
+    [
+        ("auto", False, False, "llama", torch.float32, "sdpa"),
+        ("auto", False, True, "llama", torch.bfloat16, "sdpa"),  # flash-attn needs CUDA
+        ("auto", True, False, "llama", torch.bfloat16, "sdpa"),  # not installed
+        ("auto", True, True, "llama", torch.bfloat16, "flash_attention_2"),
+        ("auto", True, True, "llama", torch.float32, "sdpa"),  # flash kernels need half precision
+        ("auto", True, True, "gemma2", torch.bfloat16, "eager"),
+        ("eager", True, True, "llama", torch.bfloat16, "eager"),
+        ("sdpa", True, True, "llama", torch.bfloat16, "sdpa"),
+    ],
+)
+def test_choose_attn(requested, on_cuda, flash, model_type, dtype, expected):
+    assert choose_attn(requested, on_cuda=on_cuda, flash_available=flash, model_type=model_type, dtype=dtype) == expected
+
+
+@pytest.mark.parametrize("on_cuda, flash", [(False, True), (True, False)])
+def test_forcing_flash_attention_without_it_is_a_usage_error(on_cuda, flash):
+    with pytest.raises(UsageError, match="flash-attn"):
+        choose_attn("flash_attention_2", on_cuda=on_cuda, flash_available=flash, model_type="llama", dtype=torch.bfloat16)
+
+
+def test_unknown_attn_is_a_usage_error():
+    with pytest.raises(UsageError, match="--attn"):
+        choose_attn("paged", on_cuda=False, flash_available=False, model_type="llama", dtype=None)

@@ -1,0 +1,67 @@
+"""The Python API: `attach` puts EpiKV on a model so that plain `model.generate` runs under the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epikv_cli
+from epikv_cli.errors import UsageError
+
+from conftest import tiny_model
+
+MODEL = tiny_model("qwen3", seed=4)
+IDS = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(9))
+GEN = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def test_generate_under_a_budget():
+    with epikv_cli.attach(MODEL, budget=40, recent=8) as cache:
+        out = MODEL.generate(IDS, cache=cache, max_new_tokens=100, **GEN)
+        assert out.shape[1] == 110
+        assert cache.stored == 40 and cache.peak_stored == 40
+        assert cache.evicted_total == 109 - 40
+        live = set(cache.live_positions().tolist())
+        assert set(range(10)) <= live and set(range(109 - 8, 109)) <= live
+        assert cache.policy.score_of(50) is not None
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_past_key_values_alias_gives_the_same_tokens():
+    outputs = []
+    for key in ("cache", "past_key_values"):
+        with epikv_cli.attach(MODEL, budget=40, recent=8) as cache:
+            outputs.append(MODEL.generate(IDS, max_new_tokens=60, **{key: cache}, **GEN))
+    assert torch.equal(*outputs)
+
+
+def test_hooks_are_removed_on_exit():
+    before = (len(MODEL._forward_hooks), sum(len(m._forward_hooks) for m in MODEL.modules()))
+    with epikv_cli.attach(MODEL, budget=64):
+        assert len(MODEL._forward_hooks) == before[0] + 1
+    assert (len(MODEL._forward_hooks), sum(len(m._forward_hooks) for m in MODEL.modules())) == before
+
+
+def test_compressed_positions_through_generate():
+    seen = []
+    with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed") as cache:
+        # registered after attach's own pre-hook, so it sees the rewritten positions
+        spy = MODEL.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"][0].tolist()), with_kwargs=True)
+        try:
+            MODEL.generate(IDS, cache=cache, max_new_tokens=40, **GEN)
+        finally:
+            spy.remove()
+    assert seen[0] == list(range(10))
+    assert [step[0] for step in seen[1:]] == [min(10 + i, 30) for i in range(39)]
+
+
+def test_prompt_longer_than_the_budget_is_refused():
+    with epikv_cli.attach(MODEL, budget=12) as cache:
+        with pytest.raises(UsageError, match="--budget 12 is not larger"):
+            MODEL.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
+
+
+def test_beam_search_is_refused():
+    with epikv_cli.attach(MODEL, budget=64) as cache:
+        with pytest.raises(Exception, match="one sequence"):
+            MODEL.generate(IDS, cache=cache, max_new_tokens=5, num_beams=2, **GEN)
