@@ -13,9 +13,8 @@ import torch
 
 from .demo_model import ensure_demo_model
 from .errors import ModelLoadError, UsageError
-from .settings import ModelSettings
+from .settings import ATTN_CHOICES, ModelSettings
 
-ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
 #: Architectures whose attention needs eager (soft-capping that SDPA kernels do not implement).
 EAGER_ONLY = frozenset({"gemma2"})
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -92,7 +91,8 @@ def _runs_on_cuda(device_map: str) -> bool:
     return torch.cuda.is_available() and not device_map.startswith(("cpu", "mps", "disk"))
 
 
-def _torch_dtype(name: str, config_dtype, source: ModelSource, on_cuda: bool):
+def _torch_dtype(name: str, source: ModelSource):
+    """The ``dtype`` for ``from_pretrained``: named, or the checkpoint's own (``"auto"``)."""
     if name != "auto":
         return getattr(torch, name)
     if source.kind == "gguf":  # GGUF weights are de-quantised; float32 keeps them exact
@@ -128,7 +128,7 @@ def load(settings: ModelSettings, log=None) -> LoadedModel:
                 ) from None
             raise ModelLoadError(f"cannot load {source.location}: {_one_line(error)}") from None
         on_cuda = _runs_on_cuda(settings.device_map)
-        dtype = _torch_dtype(settings.dtype, getattr(config, "dtype", None), source, on_cuda)
+        dtype = _torch_dtype(settings.dtype, source)
         resolved_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(config, "dtype", None)
         if isinstance(resolved_dtype, str):
             resolved_dtype = getattr(torch, resolved_dtype, None)

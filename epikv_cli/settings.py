@@ -12,6 +12,7 @@ from .errors import UsageError
 
 POSITION_MODES = ("logical", "compressed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
 
 #: Paper defaults (METHOD.md): z-score window, its epsilon, recent-window cap.
 ZSCORE_WINDOW = 64
@@ -149,6 +150,8 @@ class ModelSettings:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attn not in ATTN_CHOICES:
+            raise UsageError(f"--attn must be one of {', '.join(ATTN_CHOICES)}, got {self.attn!r}")
         if self.model is not None and not self.model.strip():
             raise UsageError("--model is empty; give a directory, a .gguf file or a Hub id")
 

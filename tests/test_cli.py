@@ -137,3 +137,29 @@ def test_version_and_help():
     help_text = invoke("generate", "--help").stdout
     for option in ("--budget", "--policy", "--recent", "--bands", "--positions", "--stop", "--json", "--attn"):
         assert option in help_text
+
+
+def test_real_sigint_stops_cleanly(tiny_model_dir):
+    """A real Ctrl-C (SIGINT) mid-generation: exit 130, printed text kept, no traceback."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir),
+               "-b", "64", "-n", "1000000", "--ignore-eos", "hello"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = b""
+    deadline = time.monotonic() + 120
+    while not first.strip() and time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 1.0)
+        if ready:
+            first += os.read(process.stdout.fileno(), 4096)
+    process.send_signal(signal.SIGINT)
+    rest, err = process.communicate(timeout=60)
+    assert first.strip(), "no text was streamed before the interrupt"
+    assert process.returncode == 130, err
+    assert b"Traceback" not in err and b"interrupted" in err
+    assert (first + rest).endswith(b"\n")  # the line is closed, the shell prompt starts clean
