@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -137,6 +138,21 @@ def generate(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (text and statistics) instead of streaming.")
     ] = False,
+    panel: Annotated[
+        Optional[bool],
+        typer.Option("--panel/--no-panel", help="Live panel (cache, evicted spans, scores). Default: on when stdout is a terminal."),
+    ] = None,
+    spike_threshold: Annotated[
+        float, typer.Option(help="Epiphany scores above this are marked as spikes in the panel.")
+    ] = 2.0,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option("--prompts", help="Batch: a file of prompts, one per line, or JSONL with id and prompt/messages."),
+    ] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Batch: JSONL results file (default: stdout).")
+    ] = None,
+    resume: Annotated[bool, typer.Option(help="Batch: skip the ids already in --output.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status or summary on stderr.")] = False,
     device_map: Annotated[str, typer.Option(help="Accelerate device map: auto, cpu, cuda, cuda:1, ...")] = "auto",
     dtype: Annotated[DType, typer.Option(help="Weights dtype (auto: the checkpoint's).")] = DType.auto,
@@ -167,8 +183,19 @@ def generate(
     )
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn)
     prompt_settings = PromptSettings(system=system, chat_template=chat_template)
-    text = _read_prompt(prompt)
-    code = run_generate(model_settings, prompt_settings, cache, sampling, text, json_output=json_output, quiet=quiet)
+    if prompts is not None:
+        from .batch import run_batch
+
+        if prompt is not None:
+            raise UsageError("give either a PROMPT or --prompts FILE, not both")
+        code = run_batch(model_settings, prompt_settings, cache, sampling, prompts, output, resume=resume, quiet=quiet)
+    elif output is not None or resume:
+        raise UsageError("--output and --resume go with --prompts FILE")
+    else:
+        code = run_generate(
+            model_settings, prompt_settings, cache, sampling, _read_prompt(prompt),
+            json_output=json_output, quiet=quiet, panel=panel, spike_threshold=spike_threshold,
+        )
     if code:
         raise typer.Exit(code)
 

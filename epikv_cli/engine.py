@@ -132,6 +132,10 @@ class Generation:
         self.result: GenerationResult | None = None
         self.tail_text = ""  # text the detokenizer still held when generation ended
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        from .policies import POLICIES
+
+        #: whether the policy gives each token a frozen score (the panel's sparkline)
+        self.policy_has_scores = POLICIES[cache.policy].has_scores
 
     def _forward(self, session: EpiKVSession, ids: torch.Tensor) -> torch.Tensor:
         cache = session.cache

@@ -1,16 +1,20 @@
-"""``epikv generate`` for one prompt: load, build the prompt, stream tokens (or print JSON), summarise."""
+"""``epikv generate`` for one prompt: load, build the prompt, stream tokens (plain, panel or JSON), summarise."""
 
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 
 from rich.console import Console
 
 from .engine import Generation, GenerationResult
+from .errors import UsageError
+from .memory import peak_memory
 from .models import load
 from .prompts import build_input_ids
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
+from .ui import DEFAULT_SPIKE_Z, LivePanel, PanelState, PanelView
 
 EXIT_INTERRUPTED = 130
 
@@ -34,36 +38,62 @@ def run_generate(
     prompt: str,
     json_output: bool = False,
     quiet: bool = False,
+    panel: bool | None = None,
+    spike_threshold: float = DEFAULT_SPIKE_Z,
 ) -> int:
-    """Run one generation for the CLI; return the exit status. Bad input raises UsageError."""
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    log = (lambda message: None) if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
-    if not prompt.strip():
-        from .errors import UsageError
+    """Run one generation for the CLI; return the exit status. Bad input raises UsageError.
 
+    The panel shows by default when stdout is a terminal. When stdout is not a terminal it only ever
+    gets the plain text (or the JSON); a forced panel then draws on stderr.
+    """
+    if not prompt.strip():
         raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")
-    if err.is_terminal and not quiet:
-        with err.status("loading model…"):
-            loaded = load(model_settings, log)
-    else:
+    out = sys.stdout
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    stdout_tty = out.isatty()
+    use_panel = not json_output and (panel if panel is not None else stdout_tty)
+    panel_console = (Console(highlight=False) if stdout_tty else err) if use_panel else None
+    stream_text = not json_output and not (use_panel and stdout_tty)
+
+    log = (lambda message: None) if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
+    status = err.status("loading model…") if err.is_terminal and not quiet else nullcontext()
+    with status:
         loaded = load(model_settings, log)
     input_ids = build_input_ids(loaded.tokenizer, prompt, prompt_settings)
     generation = Generation(loaded.model, loaded.tokenizer, input_ids, cache, sampling)
-    out = sys.stdout
+
+    view = live = None
+    if use_panel:
+        state = PanelState(
+            budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
+            spike_threshold=spike_threshold,
+        )
+        view = PanelView(state, loaded.tokenizer)
+        device = loaded.model.get_input_embeddings().weight.device
+        live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
+
     interrupted = False
     try:
-        for event in generation:
-            if not json_output and event.text:
-                out.write(event.text)
-                out.flush()
+        with live or nullcontext():
+            for event in generation:
+                if stream_text and event.text:
+                    out.write(event.text)
+                    out.flush()
+                if live is not None:
+                    live.update(event)
     except KeyboardInterrupt:
         interrupted = True
     result = generation.result
-    if not json_output:
+    if stream_text:
         out.write(generation.tail_text + "\n")
-        out.flush()
+    elif use_panel and result is not None:  # the live panel was transient: print the whole text now
+        out.write(result.text + "\n")
+    out.flush()
     if result is None:  # interrupted before the first token
         return EXIT_INTERRUPTED
+    if use_panel:
+        view.state.memory_bytes = result.peak_memory_bytes
+        panel_console.print(view.render(with_text=False))
     if json_output:
         print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
     elif not quiet:

@@ -1,0 +1,59 @@
+"""Several processes over one prompt file: ``accelerate launch --num_processes N`` or ``torchrun``.
+
+Each rank takes every N-th prompt, loads the model on its own device and appends its results to
+the shared output; rank 0 puts the file back in input order at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class Ranks:
+    """This process's place among the launched ones (``world == 1`` when not launched)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    state: Any = None  # accelerate.PartialState when launched
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        """Join the process group when a launcher set ``WORLD_SIZE > 1``; otherwise a single rank."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return cls()
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        return cls(state.process_index, state.num_processes, state.local_process_index, state)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: Sequence) -> list:
+        """This rank's share: every ``world``-th item starting at ``rank`` (balanced, order kept)."""
+        return list(items[self.rank :: self.world])
+
+    def device_map(self, requested: str) -> str:
+        """One whole model per rank: its own GPU when there are GPUs, else the CPU."""
+        if self.world == 1:
+            return requested
+        return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+    def total(self, value: int) -> int:
+        """Sum of ``value`` over all ranks."""
+        if self.state is None:
+            return value
+        from accelerate.utils import gather_object
+
+        return sum(gather_object([value]))

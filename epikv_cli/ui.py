@@ -1,0 +1,210 @@
+"""Everything drawn with rich: the live generation panel, its sparkline, the batch progress bar."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from .engine import StepEvent
+from .spans import EvictedSpans
+
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+MAX_REFRESH_PER_S = 10
+DEFAULT_SPIKE_Z = 2.0
+
+
+def sparkline(values: list[float], spikes: set[int] | None = None, width: int = 80) -> Text:
+    """Block-character sparkline of the last ``width`` values; indices in ``spikes`` drawn in red."""
+    offset = max(0, len(values) - width)
+    values = values[offset:]
+    text = Text()
+    if not values:
+        return text
+    low, high = min(values), max(values)
+    scale = (len(SPARK_BLOCKS) - 1) / (high - low) if high > low else 0.0
+    for i, value in enumerate(values):
+        block = SPARK_BLOCKS[int(round((value - low) * scale))]
+        text.append(block, style="bold red" if spikes and (i + offset) in spikes else "cyan")
+    return text
+
+
+class Sparkline:
+    """A :func:`sparkline` as wide as the space rich gives it."""
+
+    def __init__(self, values: list[float], spikes: set[int]) -> None:
+        self.values, self.spikes = values, spikes
+
+    def __rich_console__(self, console: Console, options):
+        yield sparkline(self.values, self.spikes, width=max(1, options.max_width))
+
+
+def _snippet(text: str, limit: int = 40) -> str:
+    text = text.replace("\n", "⏎").replace("\r", "")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class PanelState:
+    """What the panel shows, updated once per :class:`StepEvent`; rendering reads it, never the engine."""
+
+    budget: int | None
+    prompt_ids: list[int]
+    has_scores: bool
+    spike_threshold: float = DEFAULT_SPIKE_Z
+    history: int = 240
+    text: str = ""
+    generated: list[int] = field(default_factory=list)
+    stored: int = 0
+    seen: int = 0
+    spans: EvictedSpans = field(default_factory=EvictedSpans)
+    scores: deque = field(default_factory=deque)  # (position, score)
+    spikes: deque = field(default_factory=lambda: deque(maxlen=8))  # (position, score), newest last
+    tokens_per_s: float | None = None
+    memory_bytes: int | None = None
+    _decode_start: float | None = None
+
+    def update(self, event: StepEvent) -> None:
+        self.text += event.text
+        self.generated.append(event.token_id)
+        self.stored, self.seen = event.stored, event.seen
+        for position in event.evicted:
+            self.spans.add(position)
+        for position, score in event.scored:
+            self.scores.append((position, score))
+            if len(self.scores) > self.history:
+                self.scores.popleft()
+            if score > self.spike_threshold:
+                self.spikes.append((position, score))
+        if event.index == 0:
+            self._decode_start = event.elapsed
+        elif self._decode_start is not None and event.elapsed > self._decode_start:
+            self.tokens_per_s = event.index / (event.elapsed - self._decode_start)
+
+    def token_at(self, position: int) -> int:
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < prompt else self.generated[position - prompt]
+
+
+class PanelView:
+    """Renders a :class:`PanelState` as rich renderables."""
+
+    def __init__(self, state: PanelState, tokenizer, text_lines: int = 12) -> None:
+        self.state = state
+        self.tokenizer = tokenizer
+        self.text_lines = text_lines
+
+    def _decode(self, start: int, end: int) -> str:
+        ids = [self.state.token_at(p) for p in range(start, min(end, start + 12) + 1)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text_panel(self) -> Panel:
+        lines = self.state.text.splitlines()[-self.text_lines :] if self.state.text else []
+        return Panel(Text("\n".join(lines)), title="text", title_align="left", border_style="white")
+
+    def cache_panel(self) -> Panel:
+        s = self.state
+        table = Table.grid(padding=(0, 1))
+        table.add_column(style="bold")
+        table.add_column()
+        if s.budget:
+            fill = min(1.0, s.stored / s.budget)
+            bar = Text("█" * int(30 * fill) + "░" * (30 - int(30 * fill)), style="green" if fill < 1 else "yellow")
+            table.add_row("stored", Text.assemble(bar, f" {s.stored} / {s.budget}"))
+        else:
+            table.add_row("stored", f"{s.stored} (no budget)")
+        table.add_row("logical length", str(s.seen))
+        table.add_row("evicted", f"{s.spans.total} in {len(s.spans)} spans")
+        speed = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "…"
+        memory = f"{s.memory_bytes / 2**20:.0f} MiB peak" if s.memory_bytes else "…"
+        table.add_row("decode", f"{speed}   {memory}")
+        return Panel(table, title="cache", title_align="left", border_style="blue")
+
+    def spans_panel(self, count: int = 6) -> Panel:
+        table = Table(box=None, show_header=True, header_style="dim", padding=(0, 1))
+        table.add_column("positions", justify="right")
+        table.add_column("n", justify="right")
+        table.add_column("text")
+        for span in self.state.spans.newest(count):
+            table.add_row(f"{span.start}–{span.end}", str(len(span)), _snippet(self._decode(span.start, span.end)))
+        if not len(self.state.spans):
+            table.add_row("—", "", Text("nothing evicted yet", style="dim"))
+        return Panel(table, title="evicted spans (newest first)", title_align="left", border_style="magenta")
+
+    def scores_panel(self) -> Panel:
+        s = self.state
+        values = [score for _, score in s.scores]
+        spike_positions = {p for p, _ in s.spikes}
+        spike_index = {i for i, (p, _) in enumerate(s.scores) if p in spike_positions}
+        rows: list[RenderableType] = [Sparkline(values, spike_index)]
+        listed = Table(box=None, show_header=False, padding=(0, 1))
+        for position, score in reversed(s.spikes):
+            token = self.tokenizer.decode([s.token_at(position)], skip_special_tokens=True)
+            listed.add_row(Text(f"▲ {score:+.2f}", style="bold red"), f"@{position}", repr(token))
+        rows.append(listed if s.spikes else Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
+        return Panel(Group(*rows), title=f"epiphany scores (spikes: z > {s.spike_threshold:g})", title_align="left", border_style="red")
+
+    def render(self, with_text: bool = True) -> Group:
+        parts: list[RenderableType] = [self.text_panel()] if with_text else []
+        parts += [self.cache_panel(), self.spans_panel()]
+        if self.state.has_scores:
+            parts.append(self.scores_panel())
+        return Group(*parts)
+
+
+class LivePanel:
+    """Shows the panel while tokens stream in, redrawing at most ``MAX_REFRESH_PER_S`` times a second.
+
+    Drawing happens on the decoding thread, only when the last draw is at least 1/10 s old, so the
+    cost is bounded by a few renders per second whatever the decode speed.
+    """
+
+    def __init__(self, console: Console, state: PanelState, view: PanelView, memory_probe=None) -> None:
+        self.console = console
+        self.state = state
+        self.view = view
+        self.memory_probe = memory_probe
+        self._live = Live(console=console, auto_refresh=False, transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._last_draw = 0.0
+        self.draws = 0
+
+    def __enter__(self) -> LivePanel:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._live.__exit__(*exc)
+
+    def update(self, event: StepEvent) -> None:
+        self.state.update(event)
+        now = time.perf_counter()
+        if now - self._last_draw >= 1.0 / MAX_REFRESH_PER_S:
+            self.draw()
+            self._last_draw = now
+
+    def draw(self) -> None:
+        if self.memory_probe is not None:
+            self.state.memory_bytes = self.memory_probe()
+        self._live.update(self.view.render(), refresh=True)
+        self.draws += 1
+
+
+def batch_progress(console: Console, disable: bool = False) -> Progress:
+    """The progress bar ``--prompts`` shows on stderr."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=disable,
+        transient=False,
+    )

@@ -1,0 +1,110 @@
+"""The live panel: sections, spikes, throttled redraws, and plain output when stdout is not a terminal."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
+
+from epikv_cli.cli import app
+from epikv_cli.engine import Generation, StepEvent
+from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.ui import LivePanel, PanelState, PanelView, sparkline
+
+from conftest import tiny_model
+
+MODEL = tiny_model("llama", seed=1)
+
+
+def run_state(tokenizer, policy="epikv", threshold=1.0):
+    ids = tokenizer("Hello there, tell me a story", return_tensors="pt")["input_ids"]
+    budget = 40 if policy != "full" else None
+    generation = Generation(
+        MODEL, tokenizer, ids, CacheSettings(budget=budget, policy=policy, recent=8),
+        SamplingSettings(max_new_tokens=120, ignore_eos=True),
+    )
+    state = PanelState(budget=budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores, spike_threshold=threshold)
+    for event in generation:
+        state.update(event)
+    return state
+
+
+def render(state, tokenizer, terminal=False):
+    console = Console(record=True, width=100, file=io.StringIO(), force_terminal=terminal, color_system="truecolor" if terminal else None)
+    console.print(PanelView(state, tokenizer).render())
+    return console, console.export_text()
+
+
+def test_panel_has_every_section(tokenizer):
+    state = run_state(tokenizer)
+    _, text = render(state, tokenizer)
+    for title in ("text", "cache", "evicted spans (newest first)", "epiphany scores"):
+        assert f"─ {title}" in text
+    assert "40 / 40" in text and f"logical length {state.seen}" in text
+    assert f"evicted        {state.spans.total} in {len(state.spans)} spans" in text
+    newest = state.spans.newest(1)[0]
+    assert f"{newest.start}–{newest.end}" in text
+    assert "tok/s" in text
+
+
+def event(index, token, scored=(), evicted=()):
+    return StepEvent(index, token, chr(token), 3 + index, 3, 4 + index, list(evicted), list(scored), torch.zeros(1), 0.1 * index)
+
+
+def test_spikes_are_listed_with_their_token(tokenizer):
+    state = PanelState(budget=10, prompt_ids=[70, 71, 72], has_scores=True, spike_threshold=2.0)
+    tokens = [65, 66, 67, 68, 69, 70]
+    scores = [0.1, 2.5, -1.0, 1.9, 3.25, 0.0]
+    for i, (token, score) in enumerate(zip(tokens, scores)):
+        # the forward for token i scores the token before it (position 3 + i - 1)
+        state.update(event(i, token, scored=[(3 + i - 1, score)] if i else []))
+    assert [p for p, _ in state.spikes] == [3, 6]  # 2.5 at position 3 and 3.25 at position 6
+    _, text = render(state, tokenizer)
+    assert "▲ +3.25  @6" in text and "▲ +2.50  @3" in text
+    assert text.index("+3.25") < text.index("+2.50")  # newest first
+    assert repr(tokenizer.decode([state.token_at(6)])) in text
+
+
+def test_policies_without_scores_have_no_sparkline(tokenizer):
+    for policy in ("streaming", "full"):
+        _, text = render(run_state(tokenizer, policy=policy), tokenizer)
+        assert "─ cache" in text and "epiphany scores" not in text
+
+
+def test_no_ansi_codes_without_a_terminal(tokenizer):
+    state = run_state(tokenizer)
+    console, _ = render(state, tokenizer, terminal=False)
+    assert "\x1b[" not in console.file.getvalue()
+    console, _ = render(state, tokenizer, terminal=True)
+    assert "\x1b[" in console.file.getvalue()  # the same panel on a terminal is coloured
+
+
+def test_sparkline_marks_spikes():
+    line = sparkline([0.0, 1.0, 5.0, 1.0], spikes={2}, width=10)
+    assert line.plain == "▁▂█▂"
+    assert [span.style for span in line.spans if "red" in str(span.style)]
+
+
+def test_redraws_at_most_ten_times_a_second(tokenizer, monkeypatch):
+    clock = {"now": 0.0}
+    monkeypatch.setattr("epikv_cli.ui.time.perf_counter", lambda: clock["now"])
+    state = PanelState(budget=10, prompt_ids=[1, 2], has_scores=True)
+    console = Console(file=io.StringIO(), force_terminal=True, width=80)
+    with LivePanel(console, state, PanelView(state, tokenizer)) as live:
+        for i in range(1000):  # 1000 tokens in one simulated second
+            clock["now"] = 0.05 + i / 1000
+            live.update(StepEvent(i, 65, "a", 2 + i, 3, 3 + i, [], [], torch.zeros(1), clock["now"]))
+    assert live.draws <= 11
+
+
+def test_cli_stdout_gets_plain_text_only(tiny_model_dir):
+    """Not a terminal: the panel, even forced, draws on stderr; stdout holds just the text."""
+    runner = CliRunner()
+    args = ["generate", "--model", str(tiny_model_dir), "-n", "30", "-b", "24", "--ignore-eos", "-q", "hi"]
+    plain = runner.invoke(app, args)
+    forced = runner.invoke(app, [*args, "--panel"])
+    assert plain.exit_code == forced.exit_code == 0
+    assert forced.stdout == plain.stdout and "\x1b[" not in forced.stdout
+    assert "─ cache" in forced.stderr and "─ cache" not in plain.stderr
