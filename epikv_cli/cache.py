@@ -212,6 +212,12 @@ class BudgetCache(Cache):
                 )
         super().__init__(layers=layers)
         self.budget_layer_indices = [i for i, layer in enumerate(layers) if isinstance(layer, BudgetLayer)]
+        if budget is not None and not self.budget_layer_indices:
+            window = getattr(text_config, "sliding_window", None)
+            raise UsageError(
+                f"every layer of this model uses sliding-window attention (window {window}), so its cache is "
+                "bounded already and --budget cannot apply; use --policy full"
+            )
         self._first_budget_layer = self.budget_layer_indices[0] if self.budget_layer_indices else None
         self.evicted_total = 0
         self.peak_stored = 0

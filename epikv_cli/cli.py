@@ -30,6 +30,32 @@ from .settings import (
 
 EXIT_USAGE = 2
 
+#: Shown by `--help`, the man page and the README: (command line, what it does).
+EXAMPLES = (
+    ("epikv generate --budget 128 'Why is the sky blue?'", "stream an answer from the demo model with a 128-token cache"),
+    ("echo 'Prove that 17 is prime.' | epikv generate --policy lagkv --budget 512 -", "read the prompt from stdin, evict with Lag-KV"),
+    ("epikv generate --model Qwen/QwQ-32B --budget 8192 -n 16384 'How many primes are below 1000?'", "a reasoning model under an 8k cache"),
+    ("epikv generate --json -n 64 'Hi' | jq .decode_tokens_per_s", "one JSON object for scripts"),
+    ("epikv generate --prompts questions.jsonl --output answers.jsonl --resume", "a batch file, resumable"),
+    ("accelerate launch --num_processes 4 -m epikv_cli generate --prompts q.jsonl -o a.jsonl", "the same batch over four processes"),
+)
+#: Environment variables epikv reads: (name, meaning).
+ENVIRONMENT = (
+    ("EPIKV_MODEL", "default for --model"),
+    ("EPIKV_CACHE_DIR", "where the demo model is kept (default $XDG_CACHE_HOME/epikv, else ~/.cache/epikv)"),
+    ("XDG_CACHE_HOME", "base of the default cache directory"),
+    ("HF_HUB_OFFLINE", "set to 1 to load Hub ids from the local Hugging Face cache only"),
+    ("HF_HOME", "the Hugging Face cache used for Hub ids"),
+    ("WORLD_SIZE, RANK, LOCAL_RANK", "set by accelerate launch or torchrun: --prompts then splits the prompts across processes"),
+)
+#: Exit statuses: (code, meaning).
+EXIT_STATUSES = (
+    (0, "success"),
+    (1, "a batch finished but some prompts failed (each has an error line in the output)"),
+    (2, "bad input: one line on stderr says what is wrong and what to do"),
+    (130, "interrupted (Ctrl-C); text already printed and finished JSONL lines are kept"),
+)
+
 # Enums give Typer its choices, help text and shell completion.
 PolicyName = Enum("PolicyName", {name: name for name in sorted(POLICIES)}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
@@ -98,11 +124,7 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-@app.command(
-    epilog="Examples:  epikv generate --budget 128 'Why is the sky blue?'   "
-    "echo 'Prove that 17 is prime.' | epikv generate --policy lagkv --budget 512 -   "
-    "epikv generate --json -n 64 'Hi' | jq .decode_tokens_per_s"
-)
+@app.command(epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EXAMPLES))
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="Prompt text, or '-' to read it from stdin.")] = None,
     model: Annotated[

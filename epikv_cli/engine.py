@@ -7,6 +7,7 @@ Sampling goes through transformers' logits processors and stopping criteria.
 from __future__ import annotations
 
 import inspect
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -162,10 +163,7 @@ class Generation:
         processors = build_logits_processors(sampling)
         stop_criteria = StopStringCriteria(self.tokenizer, list(sampling.stop)) if sampling.stop else None
         eos = set() if sampling.ignore_eos else eos_token_ids(model, self.tokenizer)
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        generator = None  # made on the logits' device at the first sampled token
 
         sequence = torch.empty((1, total), dtype=torch.long, device=device)
         sequence[:, :prompt_len] = prompt
@@ -186,6 +184,9 @@ class Generation:
                     if sampling.greedy:
                         token = scores.argmax(dim=-1)
                     else:
+                        if generator is None:
+                            generator = torch.Generator(device=scores.device)
+                            generator.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
                         probs = torch.softmax(scores, dim=-1)
                         token = torch.multinomial(probs, 1, generator=generator)[:, 0]
                     token_id = int(token.item())

@@ -17,6 +17,7 @@ from typing import Iterator
 from torch import nn
 
 from .cache import BudgetCache
+from .errors import UsageError
 from .policies import Policy, make_policy
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
@@ -73,6 +74,11 @@ class EpiKVSession:
         prompt = appended.start == 0
         if prompt:
             self.policy.check_budget(len(appended), self.cache.budget)
+        elif len(appended) > 1:
+            raise UsageError(
+                "EpiKV needs the whole prompt in the first forward and one token per step after it; "
+                "drop prefill_chunk_size, and start a new cache for each conversation turn"
+            )
         self.policy.observe(self.taps.outputs, appended, prompt)
         self.taps.clear()
         over = self.cache.over_budget()

@@ -123,6 +123,8 @@ class SamplingSettings:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be 0 (off) or more, got {self.top_k}")
+        if self.temperature == 0 and (self.top_k or self.top_p < 1.0):
+            raise UsageError("--top-k and --top-p only apply when sampling; add --temperature (e.g. 0.7)")
         if any(s == "" for s in self.stop):
             raise UsageError("--stop got an empty string; give the text that should end generation")
 

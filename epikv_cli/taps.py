@@ -24,8 +24,9 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
 class HiddenStateTaps:
     """Keeps, for the current forward, the output ``[batch, q, hidden]`` of chosen decoder blocks.
 
-    Block l's output is what transformers calls ``hidden_states[l + 1]``. The tensors are references,
-    not copies; :meth:`clear` drops them after each forward.
+    Block l's output is what transformers calls ``hidden_states[l + 1]`` (for the last block,
+    transformers reports the state after the final norm instead; the tap keeps the block's own output).
+    The tensors are references, not copies; :meth:`clear` drops them after each forward.
     """
 
     def __init__(self, model: nn.Module, layers: list[int]) -> None:

@@ -65,3 +65,18 @@ def test_beam_search_is_refused():
     with epikv_cli.attach(MODEL, budget=64) as cache:
         with pytest.raises(Exception, match="one sequence"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, num_beams=2, **GEN)
+
+
+def test_chunked_prefill_is_refused():
+    with epikv_cli.attach(MODEL, budget=64) as cache:
+        with pytest.raises(UsageError, match="whole prompt in the first forward"):
+            MODEL.generate(IDS, cache=cache, max_new_tokens=5, prefill_chunk_size=4, **GEN)
+
+
+def test_models_with_only_sliding_layers_are_refused():
+    mistral = tiny_model("mistral", sliding_window=64)
+    with pytest.raises(UsageError, match="sliding-window attention .window 64.*--policy full"):
+        with epikv_cli.attach(mistral, budget=32):
+            pass
+    with epikv_cli.attach(mistral, budget=None, policy="full") as cache:
+        mistral.generate(IDS, cache=cache, max_new_tokens=5, **GEN)

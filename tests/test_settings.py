@@ -43,7 +43,8 @@ def test_cache_settings_errors(kwargs, message):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"stop": ("",)}]
+    "kwargs",
+    [{"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"stop": ("",)}, {"top_k": 5}, {"top_p": 0.9}],
 )
 def test_sampling_settings_errors(kwargs):
     with pytest.raises(UsageError):

@@ -1,0 +1,87 @@
+"""Shell completions and the man page are generated from the CLI, current, and work."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epikv_cli import docgen
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_files_are_current():
+    assert docgen.stale() == [], "run: python -m epikv_cli.docgen"
+
+
+def test_stale_files_are_detected(tmp_path):
+    docgen.write(tmp_path)
+    assert docgen.stale(tmp_path) == []
+    (tmp_path / "man/epikv.1").write_text("old")
+    assert docgen.stale(tmp_path) == ["man/epikv.1"]
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+def test_man_page_renders_without_warnings():
+    done = subprocess.run(["groff", "-man", "-ww", "-z", str(ROOT / "man/epikv.1")], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == ""
+
+
+def test_man_page_lists_every_command_and_option():
+    page = (ROOT / "man/epikv.1").read_text()
+    root, commands = docgen.command_tree()
+    for command in commands:
+        assert f".SS epikv {command.name}" in page
+        for option in command.options:
+            for name in option.names + option.negations:
+                assert f"\\fB{name.replace('-', chr(92) + '-')}\\fR" in page, name
+    for section in ("EXAMPLES", "EXIT STATUS", "ENVIRONMENT"):
+        assert f".SH {section}" in page
+    for variable in ("EPIKV_CACHE_DIR", "EPIKV_MODEL"):
+        assert variable in page
+    assert "\\fB130\\fR" in page and "\\fB2\\fR" in page
+
+
+def bash_complete(*words: str) -> list[str]:
+    script = (
+        f"source {ROOT / 'completions/epikv.bash'}; COMP_WORDS=({' '.join(repr(w) for w in words)}); "
+        f"COMP_CWORD={len(words) - 1}; _epikv; printf '%s\\n' \"${{COMPREPLY[@]}}\""
+    )
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_bash_completion():
+    assert bash_complete("epikv", "") == ["generate", "--version", "--install-completion", "--show-completion", "--help", "-h"]
+    assert bash_complete("epikv", "generate", "--pol") == ["--policy"]
+    assert bash_complete("epikv", "generate", "--policy", "") == ["epikv", "full", "lagkv", "random", "streaming"]
+    assert bash_complete("epikv", "generate", "--positions", "c") == ["compressed"]
+    assert "--no-chat-template" in bash_complete("epikv", "generate", "--no-")
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
+def test_fish_completion():
+    script = f"source {ROOT / 'completions/epikv.fish'}; complete -C 'epikv generate --policy '"
+    out = subprocess.run(["fish", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert [line.split("\t")[0] for line in out.splitlines()] == ["epikv", "full", "lagkv", "random", "streaming"]
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+def test_zsh_completion_parses():
+    subprocess.run(["zsh", "-n", str(ROOT / "completions/_epikv")], check=True)
+
+
+def test_install_completion_still_works(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    epikv = str(Path(sys.executable).parent / "epikv")  # the installed console script, named as users type it
+    done = subprocess.run([epikv, "--install-completion"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / ".bash_completions/epikv.sh").exists()
+    # and Typer's dynamic completion answers through the one-line-error wrapper
+    env.update({"_EPIKV_COMPLETE": "complete_bash", "COMP_WORDS": "epikv generate --pol", "COMP_CWORD": "2"})
+    done = subprocess.run([epikv], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["--policy"]
