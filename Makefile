@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 DEMO_PROMPT ?= Explain step by step why the sum of two odd numbers is always even.
 
-.PHONY: demo test venv clean
+.PHONY: demo test docs venv clean
 
 venv: $(BIN)/.installed
 
@@ -26,6 +26,10 @@ demo: venv
 test: venv
 	$(BIN)/python -m epikv_cli.demo_model
 	$(BIN)/python -m pytest -q
+
+# Regenerate completions/ and man/epikv.1 from the CLI (a test fails when they are stale).
+docs: venv
+	$(BIN)/python -m epikv_cli.docgen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -228,6 +228,7 @@ def run_batch(
     finally:
         writer.close()
     if interrupted:
+        ranks.close()
         where = f" in {output_path}" if output_path else ""
         print(f"epikv: interrupted; every finished prompt is{where}; rerun with --resume to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -235,4 +236,6 @@ def run_batch(
     failures = ranks.total(failures)
     if ranks.is_main and output_path is not None:
         sort_by_line(output_path)
+    ranks.barrier()
+    ranks.close()
     return EXIT_FAILED if failures else 0

@@ -50,6 +50,12 @@ class Ranks:
         if self.state is not None:
             self.state.wait_for_everyone()
 
+    def close(self) -> None:
+        """Leave the process group (exiting without it makes gloo abort the process)."""
+        if self.state is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self.state = None
+
     def total(self, value: int) -> int:
         """Sum of ``value`` over all ranks."""
         if self.state is None:

@@ -10,7 +10,6 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from .engine import StepEvent
@@ -18,6 +17,7 @@ from .spans import EvictedSpans
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 MAX_REFRESH_PER_S = 10
+MAX_DRAW_SHARE = 0.01
 DEFAULT_SPIKE_Z = 2.0
 
 
@@ -111,32 +111,32 @@ class PanelView:
 
     def cache_panel(self) -> Panel:
         s = self.state
-        table = Table.grid(padding=(0, 1))
-        table.add_column(style="bold")
-        table.add_column()
         if s.budget:
             fill = min(1.0, s.stored / s.budget)
-            bar = Text("█" * int(30 * fill) + "░" * (30 - int(30 * fill)), style="green" if fill < 1 else "yellow")
-            table.add_row("stored", Text.assemble(bar, f" {s.stored} / {s.budget}"))
+            cells = int(30 * fill)
+            stored = Text.assemble(
+                ("█" * cells + "░" * (30 - cells), "green" if fill < 1 else "yellow"), f" {s.stored} / {s.budget}"
+            )
         else:
-            table.add_row("stored", f"{s.stored} (no budget)")
-        table.add_row("logical length", str(s.seen))
-        table.add_row("evicted", f"{s.spans.total} in {len(s.spans)} spans")
+            stored = Text(f"{s.stored} (no budget)")
         speed = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "…"
         memory = f"{s.memory_bytes / 2**20:.0f} MiB peak" if s.memory_bytes else "…"
-        table.add_row("decode", f"{speed}   {memory}")
-        return Panel(table, title="cache", title_align="left", border_style="blue")
+        lines = Text.assemble(
+            ("stored         ", "bold"), stored, "\n",
+            ("logical length ", "bold"), str(s.seen), "\n",
+            ("evicted        ", "bold"), f"{s.spans.total} in {len(s.spans)} spans", "\n",
+            ("decode         ", "bold"), f"{speed}   {memory}",
+        )
+        return Panel(lines, title="cache", title_align="left", border_style="blue")
 
     def spans_panel(self, count: int = 6) -> Panel:
-        table = Table(box=None, show_header=True, header_style="dim", padding=(0, 1))
-        table.add_column("positions", justify="right")
-        table.add_column("n", justify="right")
-        table.add_column("text")
+        lines = Text(f"{'positions':>13}  {'n':>5}  text", style="dim")
         for span in self.state.spans.newest(count):
-            table.add_row(f"{span.start}–{span.end}", str(len(span)), _snippet(self._decode(span.start, span.end)))
+            where = f"{span.start}–{span.end}"
+            lines.append(f"\n{where:>13}  {len(span):>5}  {_snippet(self._decode(span.start, span.end))}")
         if not len(self.state.spans):
-            table.add_row("—", "", Text("nothing evicted yet", style="dim"))
-        return Panel(table, title="evicted spans (newest first)", title_align="left", border_style="magenta")
+            lines.append("\n" + " " * 13 + "  nothing evicted yet", style="dim")
+        return Panel(lines, title="evicted spans (newest first)", title_align="left", border_style="magenta")
 
     def scores_panel(self) -> Panel:
         s = self.state
@@ -144,11 +144,15 @@ class PanelView:
         spike_positions = {p for p, _ in s.spikes}
         spike_index = {i for i, (p, _) in enumerate(s.scores) if p in spike_positions}
         rows: list[RenderableType] = [Sparkline(values, spike_index)]
-        listed = Table(box=None, show_header=False, padding=(0, 1))
-        for position, score in reversed(s.spikes):
-            token = self.tokenizer.decode([s.token_at(position)], skip_special_tokens=True)
-            listed.add_row(Text(f"▲ {score:+.2f}", style="bold red"), f"@{position}", repr(token))
-        rows.append(listed if s.spikes else Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
+        if s.spikes:
+            listed = Text()
+            for i, (position, score) in enumerate(reversed(s.spikes)):
+                token = self.tokenizer.decode([s.token_at(position)], skip_special_tokens=True)
+                listed.append(("\n" if i else "") + f"▲ {score:+.2f}", style="bold red")
+                listed.append(f"  @{position:<6} {token!r}")
+            rows.append(listed)
+        else:
+            rows.append(Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
         return Panel(Group(*rows), title=f"epiphany scores (spikes: z > {s.spike_threshold:g})", title_align="left", border_style="red")
 
     def render(self, with_text: bool = True) -> Group:
@@ -162,8 +166,9 @@ class PanelView:
 class LivePanel:
     """Shows the panel while tokens stream in, redrawing at most ``MAX_REFRESH_PER_S`` times a second.
 
-    Drawing happens on the decoding thread, only when the last draw is at least 1/10 s old, so the
-    cost is bounded by a few renders per second whatever the decode speed.
+    Drawing happens on the decoding thread, between tokens, and only when the last draw is old
+    enough: at least 1/10 s, and at least ``1 / MAX_DRAW_SHARE`` times as long as the last draw took,
+    so drawing never takes more than about 1% of the time whatever the machine.
     """
 
     def __init__(self, console: Console, state: PanelState, view: PanelView, memory_probe=None) -> None:
@@ -173,6 +178,7 @@ class LivePanel:
         self.memory_probe = memory_probe
         self._live = Live(console=console, auto_refresh=False, transient=True, redirect_stdout=False, redirect_stderr=False)
         self._last_draw = 0.0
+        self._interval = 1.0 / MAX_REFRESH_PER_S
         self.draws = 0
 
     def __enter__(self) -> LivePanel:
@@ -185,9 +191,11 @@ class LivePanel:
     def update(self, event: StepEvent) -> None:
         self.state.update(event)
         now = time.perf_counter()
-        if now - self._last_draw >= 1.0 / MAX_REFRESH_PER_S:
+        if now - self._last_draw >= self._interval:
             self.draw()
             self._last_draw = now
+            cost = time.perf_counter() - now
+            self._interval = max(1.0 / MAX_REFRESH_PER_S, cost / MAX_DRAW_SHARE)
 
     def draw(self) -> None:
         if self.memory_probe is not None:
