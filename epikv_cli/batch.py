@@ -148,6 +148,16 @@ def _settings_for(item: PromptItem, cache: CacheSettings, sampling: SamplingSett
     return dataclasses.replace(cache, **cache_changes), dataclasses.replace(sampling, **sampling_changes)
 
 
+def _generate(loaded, item: PromptItem, prompt_settings: PromptSettings, cache: CacheSettings, sampling: SamplingSettings):
+    """Run one prompt to the end; bad settings or a prompt over the budget raise UsageError."""
+    item_cache, item_sampling = _settings_for(item, cache, sampling)
+    ids = build_input_ids(loaded.tokenizer, item.prompt, prompt_settings, messages=item.messages)
+    generation = Generation(loaded.model, loaded.tokenizer, ids, item_cache, item_sampling)
+    for _ in generation:
+        pass
+    return generation.result
+
+
 def _record(item: PromptItem, text=None, stats=None, error=None, rank: Ranks | None = None) -> dict:
     record = {"id": item.id, "line": item.line}
     record.update({"messages": item.messages} if item.messages is not None else {"prompt": item.prompt})
@@ -201,28 +211,23 @@ def run_batch(
         with batch_progress(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
             for item in mine:
+                result = None
                 if item.error is None:
                     try:
-                        item_cache, item_sampling = _settings_for(item, cache, sampling)
-                        ids = build_input_ids(loaded.tokenizer, item.prompt, prompt_settings, messages=item.messages)
-                        generation = Generation(loaded.model, loaded.tokenizer, ids, item_cache, item_sampling)
-                        for _ in generation:
-                            pass
+                        result = _generate(loaded, item, prompt_settings, cache, sampling)
                     except UsageError as error:
                         item.error = str(error)
-                if item.error is not None:
+                if result is None:
                     failures += 1
                     report(item, item.error)
                     writer.write(_record(item, error=item.error, rank=ranks))
-                else:
-                    result = generation.result
-                    stats = result.to_dict()
-                    stats.pop("text")
-                    writer.write(_record(item, text=result.text, stats=stats, rank=ranks))
-                    speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else ""
-                    progress.update(task, advance=1, status=speed)
+                    progress.update(task, advance=1)
                     continue
-                progress.update(task, advance=1)
+                stats = result.to_dict()
+                stats.pop("text")
+                writer.write(_record(item, text=result.text, stats=stats, rank=ranks))
+                speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else ""
+                progress.update(task, advance=1, status=speed)
     except KeyboardInterrupt:
         interrupted = True
     finally:

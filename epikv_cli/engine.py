@@ -192,7 +192,7 @@ class Generation:
                     token_id = int(token.item())
                     if index == 0:
                         prefill_seconds = time.perf_counter() - start
-                    sequence[0, prompt_len + index] = token_id
+                    sequence[:, prompt_len + index] = token.to(device)
                     generated = index + 1
                     last = session.last
                     yield StepEvent(
@@ -216,7 +216,7 @@ class Generation:
                     if generated == sampling.max_new_tokens:
                         stop_reason = "length"
                         break
-                    logits = self._forward(session, token.view(1, 1))
+                    logits = self._forward(session, token.view(1, 1).to(device))
             finally:
                 self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device)
 

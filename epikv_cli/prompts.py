@@ -15,13 +15,14 @@ def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
 
 
 def build_input_ids(
-    tokenizer, prompt: str | None = None, settings: PromptSettings = PromptSettings(), messages: list | None = None
+    tokenizer, prompt: str | None = None, settings: PromptSettings | None = None, messages: list | None = None
 ) -> torch.Tensor:
     """Token ids ``[1, prompt_len]`` for a prompt string or a list of chat messages.
 
     With a chat template (and ``settings.chat_template``), the template is applied with the
     generation prompt added; otherwise the text is tokenized as is, with the tokenizer's special tokens.
     """
+    settings = settings or PromptSettings()
     if messages is None:
         if prompt is None or not prompt.strip():
             raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")

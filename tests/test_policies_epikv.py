@@ -109,9 +109,9 @@ def test_changes_are_token_to_token_at_the_same_layer():
     full = model(ids, output_hidden_states=True).hidden_states
     with epikv_cli.attach(model, budget=512, bands=((1, 1.0), (2, -1.0))) as cache:
         with torch.inference_mode():
-            out = model(ids[:, :7], cache=cache, use_cache=True)
+            model(ids[:, :7], cache=cache, use_cache=True)
             for t in range(7, 10):
-                out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
                 step = cache.policy.last[0]
                 expected = tuple(float((full[l + 1][0, t] - full[l + 1][0, t - 1]).norm()) for l in (1, 2))
                 assert step.changes == pytest.approx(expected, rel=1e-4)
