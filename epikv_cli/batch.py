@@ -20,15 +20,13 @@ from typing import Any
 from rich.console import Console
 
 from .engine import Generation
-from .errors import UsageError
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
 from .models import load
 from .prompts import build_input_ids
 from .scaleout import Ranks
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import batch_progress
 
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
 OVERRIDES = {"max_new_tokens": int, "temperature": (int, float), "budget": int}
 
 

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - older Typer uses click itself
     from click.exceptions import ClickException
 
 from . import __version__
-from .errors import ModelLoadError, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
 from .policies import POLICIES
 from .settings import (
     DTYPES,
@@ -27,8 +27,6 @@ from .settings import (
     SamplingSettings,
     parse_bands,
 )
-
-EXIT_USAGE = 2
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
 EXAMPLES = (
@@ -60,7 +58,6 @@ EXIT_STATUSES = (
 PolicyName = Enum("PolicyName", {name: name for name in sorted(POLICIES)}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)
-EXIT_INTERRUPTED = 130
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:

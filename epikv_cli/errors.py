@@ -1,6 +1,10 @@
-"""Errors that reach the user as one line on stderr."""
+"""Errors that reach the user as one line on stderr, and the exit statuses of the CLI."""
 
 from __future__ import annotations
+
+EXIT_FAILED = 1  # a batch finished, some prompts failed
+EXIT_USAGE = 2  # bad input
+EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
 class UsageError(ValueError):

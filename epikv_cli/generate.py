@@ -9,14 +9,12 @@ from contextlib import nullcontext
 from rich.console import Console
 
 from .engine import Generation, GenerationResult
-from .errors import UsageError
+from .errors import EXIT_INTERRUPTED, UsageError
 from .memory import peak_memory
 from .models import load
 from .prompts import build_input_ids
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import DEFAULT_SPIKE_Z, LivePanel, PanelState, PanelView
-
-EXIT_INTERRUPTED = 130
 
 
 def summary_line(result: GenerationResult) -> str:
