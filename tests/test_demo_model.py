@@ -58,3 +58,17 @@ def test_gguf_file_loads_to_the_same_model(demo):
     ]
     tokens = [[e.token_id for e in run] for run in runs]
     assert tokens[0] == tokens[1]
+
+
+def test_no_eviction_reproduces_generate_on_the_real_model(demo):
+    import torch
+
+    ids = build_input_ids(demo.tokenizer, "Explain why the sky is blue.")
+    reference = demo.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+    )
+    run = Generation(demo.model, demo.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=30, ignore_eos=True))
+    events = list(run)
+    assert [e.token_id for e in events] == reference.sequences[0, ids.shape[1]:].tolist()
+    assert max(float((e.logits - l[0]).abs().max()) for e, l in zip(events, reference.logits)) <= 1e-5
