@@ -15,7 +15,7 @@ import statistics
 
 from rich.console import Console
 
-from epikv_cli.engine import Generation
+from epikv_cli.engine import Generation, input_device
 from epikv_cli.memory import peak_memory
 from epikv_cli.models import load
 from epikv_cli.prompts import build_input_ids
@@ -34,7 +34,7 @@ def one_run(loaded, ids, cache, sampling, panel: bool) -> tuple[float, int]:
     with open(os.devnull, "w") as sink:
         console = Console(file=sink, force_terminal=True, width=120, height=50)
         state = PanelState(budget=cache.budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores)
-        device = loaded.model.get_input_embeddings().weight.device
+        device = input_device(loaded.model)
         with LivePanel(console, state, PanelView(state, loaded.tokenizer), lambda: peak_memory(device)[0]) as live:
             for event in generation:
                 live.update(event)

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from .memory import peak_memory, reset_peak
+from .policies import POLICIES
 from .session import EpiKVSession
 from .settings import CacheSettings, SamplingSettings
 from .textstream import IncrementalDetokenizer
@@ -106,7 +107,8 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _input_device(model) -> torch.device:
+def input_device(model) -> torch.device:
+    """Where input ids go: the input embeddings' device (the first device under a device map)."""
     return model.get_input_embeddings().weight.device
 
 
@@ -133,8 +135,6 @@ class Generation:
         self.result: GenerationResult | None = None
         self.tail_text = ""  # text the detokenizer still held when generation ended
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        from .policies import POLICIES
-
         #: whether the policy gives each token a frozen score (the panel's sparkline)
         self.policy_has_scores = POLICIES[cache.policy].has_scores
 
@@ -153,7 +153,7 @@ class Generation:
 
     def __iter__(self) -> Iterator[StepEvent]:
         model, sampling = self.model, self.sampling
-        device = _input_device(model)
+        device = input_device(model)
         prompt = self.input_ids.to(device)
         prompt_len = prompt.shape[1]
         total = prompt_len + sampling.max_new_tokens

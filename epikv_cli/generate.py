@@ -8,11 +8,11 @@ from contextlib import nullcontext
 
 from rich.console import Console
 
-from .engine import Generation, GenerationResult
-from .errors import EXIT_INTERRUPTED, UsageError
+from .engine import Generation, GenerationResult, input_device
+from .errors import EXIT_INTERRUPTED
 from .memory import peak_memory
 from .models import load
-from .prompts import build_input_ids
+from .prompts import build_input_ids, require_text
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import DEFAULT_SPIKE_Z, LivePanel, PanelState, PanelView
 
@@ -44,8 +44,7 @@ def run_generate(
     The panel shows by default when stdout is a terminal. When stdout is not a terminal it only ever
     gets the plain text (or the JSON); a forced panel then draws on stderr.
     """
-    if not prompt.strip():
-        raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")
+    require_text(prompt)  # before loading the model: fail fast
     out = sys.stdout
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     stdout_tty = out.isatty()
@@ -67,7 +66,7 @@ def run_generate(
             spike_threshold=spike_threshold,
         )
         view = PanelView(state, loaded.tokenizer)
-        device = loaded.model.get_input_embeddings().weight.device
+        device = input_device(loaded.model)
         live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
 
     interrupted = False

@@ -8,6 +8,13 @@ from .errors import UsageError
 from .settings import PromptSettings
 
 
+def require_text(prompt: str | None) -> str:
+    """``prompt`` itself, or :class:`UsageError` when it is missing or blank."""
+    if prompt is None or not prompt.strip():
+        raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")
+    return prompt
+
+
 def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
     """``[{"role": "system", ...}, {"role": "user", ...}]`` for one prompt."""
     messages = [{"role": "system", "content": system}] if system else []
@@ -24,9 +31,7 @@ def build_input_ids(
     """
     settings = settings or PromptSettings()
     if messages is None:
-        if prompt is None or not prompt.strip():
-            raise UsageError("the prompt is empty; pass the text as an argument or pipe it in with '-'")
-        messages = build_messages(prompt, settings.system)
+        messages = build_messages(require_text(prompt), settings.system)
     elif not messages:
         raise UsageError("the message list is empty; give at least one {'role': 'user', 'content': ...}")
     has_template = getattr(tokenizer, "chat_template", None) is not None

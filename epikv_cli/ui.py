@@ -60,7 +60,7 @@ class PanelState:
     has_scores: bool
     spike_threshold: float = DEFAULT_SPIKE_Z
     history: int = 240
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # streamed text, joined only when drawn
     generated: list[int] = field(default_factory=list)
     stored: int = 0
     seen: int = 0
@@ -72,7 +72,7 @@ class PanelState:
     _decode_start: float | None = None
 
     def update(self, event: StepEvent) -> None:
-        self.text += event.text
+        self.pieces.append(event.text)
         self.generated.append(event.token_id)
         self.stored, self.seen = event.stored, event.seen
         for position in event.evicted:
@@ -87,6 +87,10 @@ class PanelState:
             self._decode_start = event.elapsed
         elif self._decode_start is not None and event.elapsed > self._decode_start:
             self.tokens_per_s = event.index / (event.elapsed - self._decode_start)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def token_at(self, position: int) -> int:
         prompt = len(self.prompt_ids)
@@ -106,7 +110,7 @@ class PanelView:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text_panel(self) -> Panel:
-        lines = self.state.text.splitlines()[-self.text_lines :] if self.state.text else []
+        lines = self.state.text.splitlines()[-self.text_lines :]
         return Panel(Text("\n".join(lines)), title="text", title_align="left", border_style="white")
 
     def cache_panel(self) -> Panel:
