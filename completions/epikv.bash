@@ -8,6 +8,9 @@ _epikv() {
     generate)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
+            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
             --budget|-b) COMPREPLY=(); return ;;
             --policy|-p) COMPREPLY=($(compgen -W "epikv full lagkv random streaming" -- "$cur")); return ;;
             --recent) COMPREPLY=(); return ;;
@@ -23,11 +26,8 @@ _epikv() {
             --spike-threshold) COMPREPLY=(); return ;;
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
-            --device-map) COMPREPLY=(); return ;;
-            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
-            --attn) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --no-ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --prompts --output -o --resume --no-resume --quiet -q --device-map --dtype --attn --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
     *) COMPREPLY=($(compgen -W "generate --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }

@@ -1,5 +1,5 @@
 """``python -m epikv_cli`` runs the CLI."""
 
-from .cli import main
+from .entry import main
 
 main()

@@ -1,9 +1,20 @@
-"""Prompt files in, JSONL out: ``epikv generate --prompts FILE [--output OUT.jsonl] [--resume]``.
+"""Prompt files in, JSONL out: ``epikv generate --prompts FILE [--output OUT.jsonl] [--resume | --overwrite]``.
 
-FILE is plain text (one prompt per line) or JSONL (``{"id": ..., "prompt": ...}`` or
-``{"id": ..., "messages": [...]}``, optionally with ``max_new_tokens``, ``temperature``, ``budget``).
-Each finished prompt is one line of the output, appended and flushed at once, so an interrupted run
-leaves valid JSONL holding every finished prompt, and ``--resume`` skips the ids already there.
+The contract (also in the README):
+
+- FILE is plain text (one prompt per line; the id is the line number) or JSONL, one object per line:
+  ``{"id": ..., "prompt": ...}`` or ``{"id": ..., "messages": [...]}``, optionally with per-line
+  settings (:data:`LINE_SETTINGS`). Any other key is that line's error. Blank lines are skipped.
+- Ids are strings or integers and must be unique in the file (a line without one takes its line
+  number); a file with a repeated id is refused before anything runs (exit 2).
+- Each prompt ends as exactly one line of the output, appended and flushed as soon as it finishes:
+  ``{"id", "line", "prompt" | "messages", "text", "stats", "error"}``. A line that cannot run (bad
+  JSON, not UTF-8, a bad setting, a prompt over the budget, a runtime error such as out of memory)
+  gets ``"error"`` and a message on stderr (``epikv: FILE:LINE: ...``); the other prompts still run
+  and the exit status is 1.
+- ``--resume`` keeps the finished lines of OUT (those without an error), retries the rest, and
+  never skips a prompt that did not run; ``--overwrite`` starts OUT afresh. Without either, a
+  non-empty OUT is refused. Ctrl-C leaves OUT valid JSONL holding every finished prompt (exit 130).
 """
 
 from __future__ import annotations
@@ -12,8 +23,9 @@ import dataclasses
 import fcntl
 import json
 import os
+import stat
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,99 +33,280 @@ from rich.console import Console
 
 from .engine import Generation
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
+from .generate import NO_TEMPLATE_NOTE
 from .models import load
-from .prompts import build_input_ids
-from .scaleout import Ranks
+from .prompts import build_input_ids, decode_text, has_chat_template
+from .scaleout import PeerFailed, Ranks
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import batch_progress
 
-OVERRIDES = {"max_new_tokens": int, "temperature": (int, float), "budget": int}
+STDIN = Path("-")
+
+#: Per-line settings of a JSONL prompt file: key -> (settings object, accepted JSON types, type name).
+LINE_SETTINGS: dict[str, tuple[str, tuple[type, ...], str]] = {
+    "max_new_tokens": ("sampling", (int,), "a whole number"),
+    "temperature": ("sampling", (int, float), "a number"),
+    "top_p": ("sampling", (int, float), "a number"),
+    "top_k": ("sampling", (int,), "a whole number"),
+    "seed": ("sampling", (int,), "a whole number"),
+    "stop": ("sampling", (str, list), "a string or a list of strings"),
+    "ignore_eos": ("sampling", (bool,), "true or false"),
+    "budget": ("cache", (int,), "a whole number"),
+    "recent": ("cache", (int,), "a whole number"),
+}
+LINE_KEYS = ("id", "prompt", "messages", *LINE_SETTINGS)
 
 
 @dataclass
 class PromptItem:
-    """One line of the prompt file; ``error`` is set when the line cannot be run."""
+    """One prompt line; ``error`` is set when the line cannot be run.
+
+    ``cache`` and ``sampling`` are the run's settings with this line's own settings applied.
+    """
 
     line: int
     id: Any
     prompt: str | None = None
     messages: list | None = None
-    overrides: dict = field(default_factory=dict)
+    cache: CacheSettings | None = None
+    sampling: SamplingSettings | None = None
     error: str | None = None
 
 
-def _parse_json_line(number: int, line: str) -> PromptItem:
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+@dataclass(frozen=True)
+class BatchFiles:
+    """The prompt file and the results file of a batch, checked before any model loads."""
+
+    prompts: Path
+    output: Path | None
+    resume: bool = False
+    overwrite: bool = False
+
+    @classmethod
+    def check(cls, prompts: Path, output: Path | None, resume: bool = False, overwrite: bool = False) -> BatchFiles:
+        """Refuse (with :class:`UsageError`) anything that would fail later or lose results."""
+        if prompts != STDIN:
+            try:
+                mode = prompts.stat().st_mode
+            except FileNotFoundError:
+                raise UsageError(f"prompt file not found: {prompts}") from None
+            except OSError as error:
+                raise UsageError(f"cannot read the prompt file {prompts}: {error.strerror}") from None
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                raise UsageError(f"--prompts {prompts} is {_kind(mode)}, not a file of prompts")
+        if resume and overwrite:
+            raise UsageError("--resume continues --output and --overwrite replaces it; give one of them")
+        if output is None:
+            if resume or overwrite:
+                raise UsageError(f"--{'resume' if resume else 'overwrite'} needs --output FILE.jsonl")
+            return cls(prompts, None)
+        cls._check_output(prompts, output, resume, overwrite)
+        return cls(prompts, output, resume, overwrite)
+
+    @staticmethod
+    def _check_output(prompts: Path, output: Path, resume: bool, overwrite: bool) -> None:
+        try:
+            info = output.stat()
+        except FileNotFoundError:
+            parent = output.parent
+            if not parent.is_dir():
+                raise UsageError(f"--output {output}: the directory {parent} does not exist; create it first") from None
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UsageError(f"--output {output}: cannot create files in {parent} (permission denied)") from None
+            return
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(
+                f"--output {output} is {_kind(info.st_mode)}; results need a regular file they can be appended to "
+                "and rewritten in place (leave out --output to print them on stdout)"
+            )
+        if prompts != STDIN and prompts.exists() and os.path.samefile(prompts, output):
+            raise UsageError(f"--output {output} is the prompt file itself; write the results to another file")
+        try:
+            with open(output, "ab"):
+                pass
+        except OSError as error:
+            raise UsageError(f"--output {output} cannot be written ({error.strerror.lower()})") from None
+        if info.st_size and not (resume or overwrite):
+            raise UsageError(
+                f"--output {output} already holds results; add --resume to continue it or --overwrite to replace it"
+            )
+
+
+# -- reading the prompt file ------------------------------------------------------------------------
+def _typed(key: str, value: Any, kinds: tuple[type, ...], name: str) -> str | None:
+    """Why ``value`` is not of ``kinds`` (booleans are not numbers), or None."""
+    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+        return f"'{key}' must be {name}, got {json.dumps(value)}"
+    if key == "stop" and isinstance(value, list) and not all(isinstance(s, str) for s in value):
+        return f"'stop' must be {name}, got {json.dumps(value)}"
+    return None
+
+
+def _apply_settings(item: PromptItem, data: dict, cache: CacheSettings, sampling: SamplingSettings) -> None:
+    """Per-line settings on top of the run's; a bad one becomes the line's error."""
+    changes: dict[str, dict] = {"cache": {}, "sampling": {}}
+    for key, (target, kinds, name) in LINE_SETTINGS.items():
+        if key not in data:
+            continue
+        problem = _typed(key, data[key], kinds, name)
+        if problem:
+            item.error = problem
+            return
+        value = data[key]
+        if key == "stop":
+            value = tuple([value] if isinstance(value, str) else value)
+        changes[target][key] = value
+    try:
+        item.cache = dataclasses.replace(cache, **changes["cache"])
+        item.sampling = dataclasses.replace(sampling, **changes["sampling"])
+    except UsageError as error:
+        item.error = str(error)
+
+
+def _valid_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: SamplingSettings) -> PromptItem:
+    item = PromptItem(number, number)
     try:
         data = json.loads(line)
     except json.JSONDecodeError as error:
-        return PromptItem(number, number, error=f"not valid JSON ({error.msg} at column {error.colno})")
+        item.error = f"not valid JSON ({error.msg} at column {error.colno})"
+        return item
     if not isinstance(data, dict):
-        return PromptItem(number, number, error="a JSONL line must be an object with 'prompt' or 'messages'")
-    item = PromptItem(number, data.get("id", number))
+        item.error = "a JSONL line must be an object with 'prompt' or 'messages'"
+        return item
+    if "id" in data:
+        if not _valid_id(data["id"]):
+            item.error = f"'id' must be a string or a whole number, got {json.dumps(data['id'])}"
+            return item
+        item.id = data["id"]
+    unknown = sorted(set(data) - set(LINE_KEYS))
+    if unknown:
+        item.error = f"unknown key {', '.join(repr(k) for k in unknown)}; a line may hold {', '.join(LINE_KEYS)}"
+        return item
     prompt, messages = data.get("prompt"), data.get("messages")
     if isinstance(prompt, str) and messages is None:
-        item.prompt = prompt
+        item.prompt = decode_text(prompt)[0]
     elif prompt is None and isinstance(messages, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        item.messages = messages
+        item.messages = [{**m, "content": decode_text(m["content"])[0]} for m in messages]
     else:
         item.error = "needs either a 'prompt' string or a 'messages' list of {'role', 'content'} objects"
         return item
-    for key, kind in OVERRIDES.items():
-        if key in data:
-            if isinstance(data[key], bool) or not isinstance(data[key], kind):
-                item.error = f"'{key}' must be a number, got {data[key]!r}"
-                return item
-            item.overrides[key] = data[key]
+    _apply_settings(item, data, cache, sampling)
     return item
 
 
-def read_prompt_file(path: Path) -> list[PromptItem]:
-    """All runnable and malformed lines of ``path`` (blank lines skipped)."""
-    if not path.is_file():
-        raise UsageError(f"prompt file not found: {path}")
+def _read_bytes(source: Path) -> bytes:
+    if source == STDIN:
+        return sys.stdin.buffer.read()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text; save it as UTF-8") from None
-    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+        return source.read_bytes()
+    except OSError as error:
+        raise UsageError(f"cannot read the prompt file {source}: {error.strerror}") from None
+
+
+def read_prompt_file(source: Path, cache: CacheSettings | None = None, sampling: SamplingSettings | None = None) -> list[PromptItem]:
+    """Every non-blank line of ``source`` (``-`` for stdin) as a :class:`PromptItem`.
+
+    A line that is not UTF-8, not valid JSON or carries a bad setting becomes an item with ``error``;
+    a repeated id refuses the whole file (:class:`UsageError`), before anything runs.
+    """
+    cache, sampling = cache or CacheSettings(), sampling or SamplingSettings()
+    raw = _read_bytes(source).removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    numbered = [(n, line.rstrip(b"\r")) for n, line in enumerate(raw, 1) if line.strip()]
     if not numbered:
-        raise UsageError(f"{path} holds no prompts")
-    jsonl = path.suffix == ".jsonl" or all(line.lstrip().startswith("{") for _, line in numbered)
-    if jsonl:
-        return [_parse_json_line(n, line) for n, line in numbered]
-    return [PromptItem(n, n, prompt=line) for n, line in numbered]
-
-
-def finished_ids(path: Path) -> set:
-    """Ids already in an output file (for ``--resume``)."""
-    ids = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
+        raise UsageError(f"{source} holds no prompts")
+    jsonl = source.suffix == ".jsonl" or all(line.lstrip().startswith(b"{") for _, line in numbered)
+    items = []
+    for number, data in numbered:
         try:
-            ids.add(_key(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            items.append(PromptItem(number, number, error=f"not UTF-8 text (byte 0x{data[error.start]:02x} at column {error.start + 1}); save the file as UTF-8"))
             continue
-    return ids
+        if jsonl:
+            items.append(_parse_json_line(number, line, cache, sampling))
+        else:
+            items.append(PromptItem(number, number, prompt=line, cache=cache, sampling=sampling))
+    _refuse_duplicate_ids(source, items)
+    return items
 
 
 def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def repair_tail(path: Path) -> None:
-    """Cut a last line left half-written by a crash, so the file is valid JSONL again."""
+def _refuse_duplicate_ids(source: Path, items: list[PromptItem]) -> None:
+    first: dict[str, int] = {}
+    for item in items:
+        key = _key(item.id)
+        if key in first:
+            raise UsageError(
+                f"{source}: lines {first[key]} and {item.line} have the same id {item.id!r}; "
+                "give every prompt its own id (ids decide what --resume skips)"
+            )
+        first[key] = item.line
+
+
+# -- the results file --------------------------------------------------------------------------------
+def read_results(path: Path) -> list[dict]:
+    """The result lines of ``path`` (a last line left half-written by a crash is ignored).
+
+    Raises :class:`UsageError` when a complete line is not an epikv result (a JSON object with an id).
+    """
+    if not path.exists():
+        return []
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+    lines = data.split(b"\n")
+    complete = lines[:-1]  # after the last newline: empty, or a line cut short
+    records = []
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        if not isinstance(record, dict) or not _valid_id(record.get("id")):
+            raise UsageError(
+                f"--output {path}: line {number} is not an epikv result line; check the file, or use --overwrite to replace it"
+            )
+        records.append(record)
+    return records
 
 
-def sort_by_line(path: Path) -> None:
-    """Rewrite ``path`` in input-line order (atomically)."""
-    records = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    records.sort(key=lambda line: json.loads(line).get("line", 0))
-    temporary = path.with_name(path.name + ".sorting")
-    temporary.write_text("".join(line + "\n" for line in records), encoding="utf-8")
+def finished_ids(records: list[dict]) -> set[str]:
+    """Ids (as keys) of the records that finished without an error: what ``--resume`` skips."""
+    return {_key(record["id"]) for record in records if record.get("error") is None}
+
+
+#: Characters that JSON allows raw in strings but that many line readers (Python's ``splitlines``,
+#: JavaScript) take for line breaks: written escaped, so one record is always one line.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def jsonl_line(record: dict) -> str:
+    """``record`` as one JSONL line (UTF-8 text kept readable, line-breaking characters escaped)."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKERS) + "\n"
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Replace ``path`` with ``records`` (atomically: a crash leaves the old file or the new one)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(jsonl_line(r) for r in records), encoding="utf-8")
     os.replace(temporary, path)
 
 
@@ -125,7 +318,7 @@ class JsonlWriter:
         self.locked = path is not None
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+        line = jsonl_line(record)
         if self.locked:
             fcntl.flock(self.file.fileno(), fcntl.LOCK_EX)
         try:
@@ -140,20 +333,29 @@ class JsonlWriter:
             self.file.close()
 
 
-def _settings_for(item: PromptItem, cache: CacheSettings, sampling: SamplingSettings):
-    cache_changes = {"budget": item.overrides["budget"]} if "budget" in item.overrides else {}
-    sampling_changes = {k: item.overrides[k] for k in ("max_new_tokens", "temperature") if k in item.overrides}
-    return dataclasses.replace(cache, **cache_changes), dataclasses.replace(sampling, **sampling_changes)
-
-
-def _generate(loaded, item: PromptItem, prompt_settings: PromptSettings, cache: CacheSettings, sampling: SamplingSettings):
+# -- running -------------------------------------------------------------------------------------------
+def _generate(loaded, item: PromptItem, prompt_settings: PromptSettings):
     """Run one prompt to the end; bad settings or a prompt over the budget raise UsageError."""
-    item_cache, item_sampling = _settings_for(item, cache, sampling)
     ids = build_input_ids(loaded.tokenizer, item.prompt, prompt_settings, messages=item.messages)
-    generation = Generation(loaded.model, loaded.tokenizer, ids, item_cache, item_sampling)
+    generation = Generation(loaded.model, loaded.tokenizer, ids, item.cache, item.sampling)
     for _ in generation:
         pass
     return generation.result
+
+
+def _failure(error: Exception) -> str:
+    """One line for a prompt that raised: a usage error as it is, anything else with its type."""
+    if isinstance(error, UsageError):
+        return str(error)
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else 'no message'}"
+
+
+def _release_memory(error: Exception) -> None:
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _record(item: PromptItem, text=None, stats=None, error=None, rank: Ranks | None = None) -> dict:
@@ -165,56 +367,68 @@ def _record(item: PromptItem, text=None, stats=None, error=None, rank: Ranks | N
     return record
 
 
+def _prepare_output(files: BatchFiles, items: list[PromptItem], previous: list[dict]) -> None:
+    """Rank 0 before any prompt runs: an empty OUT, or with --resume only its finished lines."""
+    if files.output is None:
+        return
+    if files.resume:
+        rerun = {_key(item.id) for item in items}
+        kept = [r for r in previous if r.get("error") is None or _key(r["id"]) not in rerun]
+        write_records(files.output, kept)
+    else:
+        files.output.write_text("", encoding="utf-8")
+
+
 def run_batch(
     model_settings: ModelSettings,
     prompt_settings: PromptSettings,
     cache: CacheSettings,
     sampling: SamplingSettings,
-    prompts_path: Path,
-    output_path: Path | None,
-    resume: bool = False,
+    files: BatchFiles,
     quiet: bool = False,
 ) -> int:
-    """Run every prompt of ``prompts_path``; return 0, 1 (some prompt failed) or 130 (interrupted)."""
+    """Run every prompt of ``files.prompts``; return 0, 1 (some prompt failed) or 130 (interrupted)."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     ranks = Ranks.from_env()
-    if ranks.world > 1 and output_path is None:
+    if ranks.world > 1 and files.output is None:
         raise UsageError("several processes need --output FILE.jsonl to write one merged result")
-    if resume and output_path is None:
-        raise UsageError("--resume needs --output FILE.jsonl (the file to resume)")
-    items = read_prompt_file(prompts_path)
-    if ranks.is_main and output_path is not None:
-        if resume and output_path.exists():
-            repair_tail(output_path)
-        else:
-            output_path.write_text("", encoding="utf-8")
-    ranks.barrier()
-    done = finished_ids(output_path) if resume and output_path is not None else set()
+    if ranks.world > 1 and files.prompts == STDIN:
+        raise UsageError("several processes cannot share stdin; give --prompts a file")
+    items = read_prompt_file(files.prompts, cache, sampling)
+    previous = read_results(files.output) if files.resume and files.output is not None else []
+    if ranks.is_main:
+        _prepare_output(files, items, previous)
+    done = finished_ids(previous)
     todo = [item for item in items if _key(item.id) not in done]
     mine = ranks.shard(todo)
-    if resume and ranks.is_main and not quiet:
-        err.print(f"[dim]resuming: {len(items) - len(todo)} of {len(items)} prompts already in {output_path}[/dim]")
+    if files.resume and ranks.is_main and not quiet:
+        err.print(f"[dim]resuming: {len(items) - len(todo)} of {len(items)} prompts already in {files.output}[/dim]")
 
     def report(item: PromptItem, message: str) -> None:
-        print(f"epikv: {prompts_path}:{item.line}: {message}", file=sys.stderr, flush=True)
+        print(f"epikv: {files.prompts}:{item.line}: {message}", file=sys.stderr, flush=True)
 
     failures = 0
     interrupted = False
-    writer = JsonlWriter(output_path)
+    writer = None
     try:
+        ranks.barrier()  # OUT is ready before anyone appends to it
+        writer = JsonlWriter(files.output)
         loaded = None
         if any(item.error is None for item in mine):
             placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
             loaded = load(placed, None if quiet else (lambda m: err.print(f"[dim]{m}[/dim]")))
+            if prompt_settings.chat_template and not has_chat_template(loaded.tokenizer) and ranks.is_main and not quiet:
+                print(f"epikv: {NO_TEMPLATE_NOTE}", file=sys.stderr, flush=True)
         with batch_progress(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
             for item in mine:
                 result = None
                 if item.error is None:
                     try:
-                        result = _generate(loaded, item, prompt_settings, cache, sampling)
-                    except UsageError as error:
-                        item.error = str(error)
+                        result = _generate(loaded, item, prompt_settings)
+                    except Exception as error:  # one prompt's failure (out of memory included) is its line's error
+                        _release_memory(error)
+                        item.error = _failure(error)
                 if result is None:
                     failures += 1
                     report(item, item.error)
@@ -226,19 +440,32 @@ def run_batch(
                 writer.write(_record(item, text=result.text, stats=stats, rank=ranks))
                 speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else ""
                 progress.update(task, advance=1, status=speed)
+        ranks.barrier()  # everyone has written
+        failures = ranks.total(failures)
     except KeyboardInterrupt:
         interrupted = True
+    except PeerFailed:
+        ranks.close()
+        print(f"epikv: rank {ranks.rank}: another process of this launch stopped early; "
+              "every finished prompt is in the output; rerun with --resume to continue", file=sys.stderr)
+        return EXIT_FAILED
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
     if interrupted:
         ranks.close()
-        where = f" in {output_path}" if output_path else ""
+        where = f" in {files.output}" if files.output else ""
         print(f"epikv: interrupted; every finished prompt is{where}; rerun with --resume to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
-    ranks.barrier()
-    failures = ranks.total(failures)
-    if ranks.is_main and output_path is not None:
-        sort_by_line(output_path)
-    ranks.barrier()
+    if ranks.is_main and files.output is not None:
+        sort_by_line(files.output)
     ranks.close()
     return EXIT_FAILED if failures else 0
+
+
+def sort_by_line(path: Path) -> None:
+    """Rewrite ``path`` in input-line order (atomically)."""
+    records = read_results(path)
+    records.sort(key=lambda record: record.get("line", 0) if isinstance(record.get("line"), int) else 0)
+    write_records(path, records)
+

@@ -23,6 +23,8 @@ from transformers.cache_utils import (
 from .errors import UsageError
 
 _GROWTH = 2
+#: Slots allocated beyond the first forward's tokens (then doubling, up to the layer's limit).
+HEADROOM = 256
 
 
 class SlotTable:
@@ -76,7 +78,13 @@ class SlotTable:
 
 
 class BudgetLayer(CacheLayerMixin):
-    """One evicting layer: preallocated slots that grow only when more than the capacity is appended.
+    """One evicting layer: slots allocated as they fill, up to a limit.
+
+    The first forward allocates room for its tokens plus :data:`HEADROOM` (never more than ``limit``);
+    after that the buffers double when full, never beyond ``limit`` unless a single forward needs
+    more. A budgeted layer's limit is K + 1, so it settles at exactly K + 1 slots; an unbounded one
+    grows with the sequence (amortised O(1) copies per token) instead of allocating
+    prompt + max-new-tokens up front.
 
     Reports the logical length (tokens seen) as its sequence length, like transformers' sliding-window
     layers, so default position ids and causal masks stay in logical coordinates after eviction.
@@ -86,11 +94,15 @@ class BudgetLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         super().__init__()
-        self.capacity = capacity
+        self.limit = limit
+        self.capacity = 0
         self.length = 0  # live slots in this layer (equals the table's stored between forwards)
         self.seen = 0
+
+    def _capped(self, slots: int) -> int:
+        return slots if self.limit is None else min(slots, self.limit)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
@@ -100,12 +112,13 @@ class BudgetLayer(CacheLayerMixin):
             )
         self.device = key_states.device
         heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
+        self.capacity = self._capped(key_states.shape[-2] + HEADROOM)
         self.keys = key_states.new_zeros((1, heads, self.capacity, k_dim))
         self.values = value_states.new_zeros((1, heads, self.capacity, v_dim))
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
-        capacity = max(needed, self.capacity * _GROWTH)
+        capacity = max(needed, self._capped(self.capacity * _GROWTH))
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
@@ -180,30 +193,33 @@ class BudgetCache(Cache):
 
     Args:
         config: the model config (its text config decides which layers are sliding).
-        budget: K; ``None`` for an unbounded cache (still preallocated, grows by doubling).
-        capacity: slots to preallocate per layer; default ``budget + 1`` (the step that appends a
-            token attends over K + 1 entries before the keep-set brings it back to K, as in the paper).
+        budget: K; ``None`` for an unbounded cache.
+        max_tokens: the most tokens the sequence will hold (prompt + max new tokens), if known.
         compressed_positions: report ``stored`` instead of ``seen`` as the next position.
+
+    Each evicting layer allocates slots as it fills, up to ``budget + 1`` (the step that appends a
+    token attends over K + 1 entries before the keep-set brings it back to K, as in the paper) and
+    never beyond ``max_tokens``.
     """
 
     def __init__(
         self,
         config: PretrainedConfig,
         budget: int | None,
-        capacity: int | None = None,
+        max_tokens: int | None = None,
         compressed_positions: bool = False,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        if capacity is None:
-            capacity = budget + 1 if budget is not None else 256
+        limits = [n for n in (budget + 1 if budget is not None else None, max_tokens) if n is not None]
+        limit = min(limits) if limits else None
         self.budget = budget
         self.compressed_positions = compressed_positions
-        self.table = SlotTable(capacity)
+        self.table = SlotTable(HEADROOM)
         layers: list = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(BudgetLayer(capacity))
+                layers.append(BudgetLayer(limit))
             elif kind in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))
             else:
@@ -292,7 +308,7 @@ class BudgetCache(Cache):
         return self.table.prompt_len or 0
 
     def kv_bytes(self) -> int:
-        """Bytes held by all key/value buffers (evicting layers' preallocations plus sliding windows)."""
+        """Bytes held by all key/value buffers now (evicting layers' allocated slots plus sliding windows)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, BudgetLayer):

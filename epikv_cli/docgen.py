@@ -18,6 +18,7 @@ import typer
 
 from . import __version__
 from .cli import ENVIRONMENT, EXAMPLES, EXIT_STATUSES, app
+from .helpscreen import choices, metavar
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE_OPTIONS = {"--model", "--prompts", "--output"}
@@ -59,21 +60,24 @@ class Cmd:
     arguments: list[tuple[str, str]]  # (metavar, help)
 
 
+def _suggestions(param) -> list[str]:
+    """What the option's own autocompletion offers (e.g. --device-map's named placements)."""
+    complete = getattr(param, "_custom_shell_complete", None)
+    return [item.value for item in complete(None, param, "")] if complete is not None else []
+
+
 def _opt(param) -> Opt:
-    annotation = getattr(param.type_descriptor, "annotation", str)
-    choices = [member.value for member in annotation] if isinstance(annotation, type) and issubclass(annotation, Enum) else []
     flag = bool(getattr(param, "is_flag", False))
     default = param.default
     if isinstance(default, Enum):
         default = default.value
-    metavar = "|".join(choices) if choices else {int: "INTEGER", float: "FLOAT", Path: "PATH"}.get(annotation, "TEXT")
     return Opt(
         names=sorted(param.opts, key=lambda n: (not n.startswith("--"), n)),
         negations=list(param.secondary_opts),
         help=(param.help or "").strip(),
         takes_value=not flag,
-        metavar=metavar,
-        choices=choices,
+        metavar=metavar(param),
+        choices=choices(param) or _suggestions(param),
         default=None if flag or default is None else str(default),
         repeatable=bool(param.multiple),
         envvar=param.envvar if isinstance(param.envvar, str) else None,

@@ -21,6 +21,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .cache import HEADROOM
 from .memory import peak_memory, reset_peak
 from .policies import POLICIES
 from .session import EpiKVSession
@@ -82,6 +83,17 @@ class GenerationResult:
         data.pop("token_ids")
         return data
 
+    @classmethod
+    def nothing(cls, policy: str, budget: int | None) -> GenerationResult:
+        """The result of a run interrupted before generation began: zero tokens, same fields."""
+        memory, kind = peak_memory(torch.device("cpu"))
+        return cls(
+            text="", prompt_tokens=0, generated_tokens=0, evicted=0, peak_stored=0,
+            budget=budget, policy=policy, stop_reason="interrupted", prefill_seconds=0.0,
+            decode_seconds=0.0, decode_tokens_per_s=None, peak_memory_bytes=memory, peak_memory_kind=kind,
+            kv_cache_bytes=0,
+        )
+
 
 def build_logits_processors(sampling: SamplingSettings) -> LogitsProcessorList:
     """transformers' warpers for temperature, top-k and top-p (empty when greedy)."""
@@ -105,6 +117,32 @@ def eos_token_ids(model, tokenizer) -> set[int]:
             continue
         ids.update(value if isinstance(value, (list, tuple)) else [value])
     return ids
+
+
+class TokenBuffer:
+    """The ``[1, n]`` token ids of one sequence on one device, grown by doubling as tokens arrive.
+
+    Nothing is sized by max-new-tokens up front, so ``-n 100000000`` costs only what is generated.
+    """
+
+    def __init__(self, prompt: torch.Tensor, room: int) -> None:
+        self.length = prompt.shape[1]
+        self._buffer = torch.empty((1, self.length + max(room, 1)), dtype=torch.long, device=prompt.device)
+        self._buffer[:, : self.length] = prompt
+
+    def append(self, token: torch.Tensor) -> None:
+        """Add one token (a one-element tensor on this buffer's device)."""
+        if self.length == self._buffer.shape[1]:
+            grown = self._buffer.new_empty((1, 2 * self.length))
+            grown[:, : self.length] = self._buffer
+            self._buffer = grown
+        self._buffer[:, self.length] = token
+        self.length += 1
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[1, n]``: every token so far, prompt included (a view)."""
+        return self._buffer[:, : self.length]
 
 
 def input_device(model) -> torch.device:
@@ -157,16 +195,13 @@ class Generation:
         prompt = self.input_ids.to(device)
         prompt_len = prompt.shape[1]
         total = prompt_len + sampling.max_new_tokens
-        budget = self.cache_settings.budget
-        capacity = min(budget + 1, total) if budget is not None else total
 
         processors = build_logits_processors(sampling)
         stop_criteria = StopStringCriteria(self.tokenizer, list(sampling.stop)) if sampling.stop else None
         eos = set() if sampling.ignore_eos else eos_token_ids(model, self.tokenizer)
         generator = None  # made on the logits' device at the first sampled token
 
-        sequence = torch.empty((1, total), dtype=torch.long, device=device)
-        sequence[:, :prompt_len] = prompt
+        sequence = TokenBuffer(prompt, room=min(sampling.max_new_tokens, HEADROOM))
         detok = IncrementalDetokenizer(self.tokenizer)
         stop_reason = "interrupted"
         generated = 0
@@ -174,13 +209,12 @@ class Generation:
         prefill_seconds = 0.0
         reset_peak(device)
 
-        with EpiKVSession(model, self.cache_settings, capacity=capacity) as session:
+        with EpiKVSession(model, self.cache_settings, max_tokens=total) as session:
             session.policy.check_budget(prompt_len, session.cache.budget)
             try:
                 logits = self._forward(session, prompt)
                 for index in range(sampling.max_new_tokens):
-                    current = sequence[:, : prompt_len + index]
-                    scores = processors(current, logits.float().unsqueeze(0))
+                    scores = processors(sequence.ids, logits.float().unsqueeze(0))
                     if sampling.greedy:
                         token = scores.argmax(dim=-1)
                     else:
@@ -192,7 +226,7 @@ class Generation:
                     token_id = int(token.item())
                     if index == 0:
                         prefill_seconds = time.perf_counter() - start
-                    sequence[:, prompt_len + index] = token.to(device)
+                    sequence.append(token.to(device))
                     generated = index + 1
                     last = session.last
                     yield StepEvent(
@@ -210,7 +244,7 @@ class Generation:
                     if token_id in eos:
                         stop_reason = "eos"
                         break
-                    if stop_criteria is not None and bool(stop_criteria(sequence[:, : prompt_len + generated], None)[0]):
+                    if stop_criteria is not None and bool(stop_criteria(sequence.ids, None)[0]):
                         stop_reason = "stop"
                         break
                     if generated == sampling.max_new_tokens:
@@ -223,7 +257,7 @@ class Generation:
     def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device):
         elapsed = time.perf_counter() - start
         decode_seconds = max(elapsed - prefill_seconds, 0.0) if generated else 0.0
-        token_ids = sequence[0, prompt_len : prompt_len + generated].tolist()
+        token_ids = sequence.ids[0, prompt_len:].tolist()
         memory, kind = peak_memory(device)
         self.tail_text = detok.flush()
         self.result = GenerationResult(

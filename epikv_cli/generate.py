@@ -12,9 +12,11 @@ from .engine import Generation, GenerationResult, input_device
 from .errors import EXIT_INTERRUPTED
 from .memory import peak_memory
 from .models import load
-from .prompts import build_input_ids, require_text
+from .prompts import build_input_ids, decode_text, has_chat_template, require_text
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import DEFAULT_SPIKE_Z, LivePanel, PanelState, PanelView
+
+NO_TEMPLATE_NOTE = "this model's tokenizer has no chat template; the prompt is used as plain text"
 
 
 def summary_line(result: GenerationResult) -> str:
@@ -28,12 +30,41 @@ def summary_line(result: GenerationResult) -> str:
     )
 
 
+def interruption_line(generated: int, text_shown: bool) -> str:
+    """What Ctrl-C prints on stderr, saying truthfully what was kept."""
+    if generated == 0:
+        return "epikv: interrupted before the first token; nothing was generated"
+    kept = "; the text above is everything generated" if text_shown else ""
+    return f"epikv: interrupted after {generated} tokens{kept}"
+
+
+def report_nothing_generated(json_output: bool, policy: str, budget: int | None) -> int:
+    """Ctrl-C before the first token: the zero-token JSON object (with ``--json``) and one line; exit 130."""
+    if json_output:
+        print(json.dumps(GenerationResult.nothing(policy, budget).to_dict(), ensure_ascii=False), flush=True)
+    print(interruption_line(0, False), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def read_prompt(prompt: str | None, warn) -> str:
+    """The prompt argument, or stdin for ``-``; undecodable bytes become U+FFFD with one warning."""
+    if prompt is None:
+        return require_text(None)
+    if prompt == "-":
+        stream = sys.stdin
+        prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+    text, replaced = decode_text(prompt)
+    if replaced:
+        warn("the prompt is not valid UTF-8; the bytes that could not be read became U+FFFD")
+    return require_text(text)
+
+
 def run_generate(
     model_settings: ModelSettings,
     prompt_settings: PromptSettings,
     cache: CacheSettings,
     sampling: SamplingSettings,
-    prompt: str,
+    prompt: str | None,
     json_output: bool = False,
     quiet: bool = False,
     panel: bool | None = None,
@@ -41,36 +72,45 @@ def run_generate(
 ) -> int:
     """Run one generation for the CLI; return the exit status. Bad input raises UsageError.
 
-    The panel shows by default when stdout is a terminal. When stdout is not a terminal it only ever
-    gets the plain text (or the JSON); a forced panel then draws on stderr.
+    ``prompt`` is the text, or ``-`` for stdin. The panel shows by default when stdout is a terminal.
+    When stdout is not a terminal it only ever gets the plain text (or the JSON); a forced panel then
+    draws on stderr. Ctrl-C at any point exits 130: with ``--json`` the object still prints (zero
+    tokens if generation had not started), and no text already printed is lost.
     """
-    require_text(prompt)  # before loading the model: fail fast
     out = sys.stdout
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     stdout_tty = out.isatty()
     use_panel = not json_output and (panel if panel is not None else stdout_tty)
     panel_console = (Console(highlight=False) if stdout_tty else err) if use_panel else None
     stream_text = not json_output and not (use_panel and stdout_tty)
-
     log = (lambda message: None) if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
-    status = err.status("loading model…") if err.is_terminal and not quiet else nullcontext()
-    with status:
-        loaded = load(model_settings, log)
-    input_ids = build_input_ids(loaded.tokenizer, prompt, prompt_settings)
-    generation = Generation(loaded.model, loaded.tokenizer, input_ids, cache, sampling)
 
-    view = live = None
-    if use_panel:
-        state = PanelState(
-            budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
-            spike_threshold=spike_threshold,
-        )
-        view = PanelView(state, loaded.tokenizer)
-        device = input_device(loaded.model)
-        live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
+    def note(message: str) -> None:
+        if not quiet:
+            print(f"epikv: {message}", file=sys.stderr, flush=True)
 
+    generation = view = None
     interrupted = False
     try:
+        prompt = read_prompt(prompt, note)  # before loading the model: fail fast
+        status = err.status("loading model…") if err.is_terminal and not quiet else nullcontext()
+        with status:
+            loaded = load(model_settings, log)
+        if prompt_settings.chat_template and not has_chat_template(loaded.tokenizer):
+            note(NO_TEMPLATE_NOTE)
+        input_ids = build_input_ids(loaded.tokenizer, prompt, prompt_settings)
+        generation = Generation(loaded.model, loaded.tokenizer, input_ids, cache, sampling)
+
+        live = None
+        if use_panel:
+            state = PanelState(
+                budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
+                spike_threshold=spike_threshold,
+            )
+            view = PanelView(state, loaded.tokenizer)
+            device = input_device(loaded.model)
+            live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
+
         with live or nullcontext():
             for event in generation:
                 if stream_text and event.text:
@@ -80,14 +120,14 @@ def run_generate(
                     live.update(event)
     except KeyboardInterrupt:
         interrupted = True
-    result = generation.result
+    result = generation.result if generation is not None else None
+    if result is None:  # interrupted before generation began: nothing to show but the truth
+        return report_nothing_generated(json_output, cache.policy, cache.budget)
     if stream_text:
         out.write(generation.tail_text + "\n")
-    elif use_panel and result is not None:  # the live panel was transient: print the whole text now
+    elif use_panel:  # the live panel was transient: print the whole text now
         out.write(result.text + "\n")
     out.flush()
-    if result is None:  # interrupted before the first token
-        return EXIT_INTERRUPTED
     if use_panel:
         view.state.memory_bytes = result.peak_memory_bytes
         panel_console.print(view.render(with_text=False))
@@ -96,6 +136,6 @@ def run_generate(
     elif not quiet:
         err.print(f"[dim]{summary_line(result)}[/dim]")
     if interrupted:
-        err.print("interrupted: the text above is everything generated so far")
+        print(interruption_line(result.generated_tokens, not json_output), file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0

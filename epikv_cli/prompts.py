@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .errors import UsageError
 from .settings import PromptSettings
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode_text(data: bytes | str) -> tuple[str, bool]:
+    """Text fit for a tokenizer, and whether anything had to be replaced.
+
+    Bytes are decoded as UTF-8, invalid sequences becoming U+FFFD. In strings, lone surrogates
+    (what Python makes of undecodable bytes in ``argv``, or a JSON ``"\\ud800"``) become U+FFFD too.
+    """
+    if isinstance(data, bytes):
+        try:
+            return data.decode("utf-8"), False
+        except UnicodeDecodeError:
+            return data.decode("utf-8", "replace"), True
+    cleaned, count = _SURROGATE.subn("\ufffd", data)
+    return cleaned, count > 0
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer brings a chat template."""
+    return getattr(tokenizer, "chat_template", None) is not None
 
 
 def require_text(prompt: str | None) -> str:
@@ -34,7 +58,7 @@ def build_input_ids(
         messages = build_messages(require_text(prompt), settings.system)
     elif not messages:
         raise UsageError("the message list is empty; give at least one {'role': 'user', 'content': ...}")
-    has_template = getattr(tokenizer, "chat_template", None) is not None
+    has_template = has_chat_template(tokenizer)
     if settings.chat_template and has_template:
         encoded = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -2,15 +2,29 @@
 
 Each rank takes every N-th prompt, loads the model on its own device and appends its results to
 the shared output; rank 0 puts the file back in input order at the end.
+
+A rank whose prompt fails records the error and goes on, so every rank reaches the same
+synchronisation points. A rank that dies (killed, or an error outside any prompt) makes the
+launcher stop the others (torchrun and accelerate launch do); if they are still waiting, the broken
+connection turns into :class:`PeerFailed` and they exit with one line, never hanging.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
+
+#: How long a rank waits at a synchronisation point for the others: the last rank to finish may
+#: still be generating a long answer (the default of torch.distributed, 30 minutes, is too short).
+SYNC_TIMEOUT = timedelta(hours=24)
+
+
+class PeerFailed(RuntimeError):
+    """Another process of the launch stopped before reaching a synchronisation point."""
 
 
 @dataclass
@@ -29,7 +43,7 @@ class Ranks:
             return cls()
         from accelerate import PartialState
 
-        state = PartialState(cpu=not torch.cuda.is_available())
+        state = PartialState(cpu=not torch.cuda.is_available(), timeout=SYNC_TIMEOUT)
         return cls(state.process_index, state.num_processes, state.local_process_index, state)
 
     @property
@@ -47,8 +61,12 @@ class Ranks:
         return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
 
     def barrier(self) -> None:
+        """Wait for every rank; :class:`PeerFailed` if one of them is gone."""
         if self.state is not None:
-            self.state.wait_for_everyone()
+            try:
+                self.state.wait_for_everyone()
+            except RuntimeError as error:  # gloo and NCCL report a vanished peer as RuntimeError (DistError)
+                raise PeerFailed(str(error)) from None
 
     def close(self) -> None:
         """Leave the process group (exiting without it makes gloo abort the process)."""
@@ -62,4 +80,7 @@ class Ranks:
             return value
         from accelerate.utils import gather_object
 
-        return sum(gather_object([value]))
+        try:
+            return sum(gather_object([value]))
+        except RuntimeError as error:
+            raise PeerFailed(str(error)) from None

@@ -37,14 +37,14 @@ class EpiKVSession:
     Use it as a context manager; on exit every hook is removed and the model is as it was.
     """
 
-    def __init__(self, model: nn.Module, settings: CacheSettings, capacity: int | None = None) -> None:
+    def __init__(self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None) -> None:
         self.model = model
         self.settings = settings
         self.policy: Policy = make_policy(settings)
         self.policy.setup(len(decoder_blocks(model)))
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
-            model.config, budget, capacity=capacity, compressed_positions=settings.positions == "compressed"
+            model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed"
         )
         self.cache.policy = self.policy
         self.last = ForwardRecord()

@@ -5,6 +5,7 @@ Every check raises :class:`~epikv_cli.errors.UsageError` with a message fit for 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -13,6 +14,16 @@ from .errors import UsageError
 POSITION_MODES = ("logical", "compressed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
+#: Accelerate's placement strategies; a device (``cpu``, ``cuda``, ``cuda:N``, ``mps``, a GPU index) works too.
+PLACEMENTS = ("auto", "balanced", "balanced_low_0", "sequential")
+#: What shell completion offers for ``--device-map``.
+DEVICE_MAP_NAMES = PLACEMENTS + ("cpu", "cuda", "mps")
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|npu)(:(\d+))?$|^(\d+)$")
+#: Temperatures below this decode greedily, as in vLLM: dividing logits by a smaller one overflows
+#: float32 (1e-40 gives inf, then NaN probabilities), and the distribution is one-hot anyway.
+GREEDY_BELOW = 1e-5
+#: torch generators take seeds from 0 to 2**64 - 1.
+MAX_SEED = 2**64 - 1
 
 #: Paper defaults (METHOD.md): z-score window, its epsilon, recent-window cap.
 ZSCORE_WINDOW = 64
@@ -25,8 +36,8 @@ _BAND = re.compile(r"^\s*(\d+)\s*:\s*([+-]?\d+(?:\.\d+)?)\s*$")
 def parse_bands(text: str) -> tuple[tuple[int, float], ...]:
     """Parse ``"10:+1,21:-1"`` into ``((10, 1.0), (21, -1.0))``.
 
-    Each band is ``LAYER:SIGN``: a 0-based decoder-block index and the weight of its z-score
-    (normally +1 or -1).
+    Each band is ``LAYER:SIGN``: a 0-based decoder-block index and the sign of its z-score in the
+    score, +1 (a large change keeps the token) or -1 (a large change lets it go).
     """
     if not text or not text.strip():
         raise UsageError("--bands is empty; give LAYER:SIGN pairs such as --bands 10:+1,21:-1")
@@ -38,8 +49,8 @@ def parse_bands(text: str) -> tuple[tuple[int, float], ...]:
                 f"--bands: cannot read {part.strip()!r}; each band is LAYER:SIGN, e.g. --bands 10:+1,21:-1"
             )
         sign = float(match.group(2))
-        if sign == 0:
-            raise UsageError(f"--bands: band {part.strip()!r} has weight 0; use +1 or -1")
+        if sign not in (1.0, -1.0):
+            raise UsageError(f"--bands: band {part.strip()!r} has sign {match.group(2)}; each SIGN is +1 or -1")
         bands.append((int(match.group(1)), sign))
     layers = [layer for layer, _ in bands]
     if len(set(layers)) != len(layers):
@@ -50,6 +61,20 @@ def parse_bands(text: str) -> tuple[tuple[int, float], ...]:
 def default_recent(budget: int) -> int:
     """The recent window R = min(128, K // 4) of METHOD.md."""
     return min(RECENT_CAP, budget // 4)
+
+
+def require_finite(option: str, value: float) -> float:
+    """``value``, or :class:`UsageError` naming ``option`` when it is NaN or infinite."""
+    if not math.isfinite(value):
+        raise UsageError(f"{option} must be a finite number, got {value}")
+    return value
+
+
+def require_seed(seed: int | None) -> int | None:
+    """``seed``, or :class:`UsageError` when torch cannot take it."""
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed must be a whole number from 0 to {MAX_SEED}, got {seed}")
+    return seed
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,13 @@ class CacheSettings:
             raise UsageError(f"policy {self.policy!r} needs a --budget")
         if self.recent is not None and self.recent < 0:
             raise UsageError(f"--recent must be 0 or more, got {self.recent}")
+        if self.recent is not None and not POLICIES[self.policy].uses_recent:
+            users = ", ".join(sorted(name for name, cls in POLICIES.items() if cls.uses_recent))
+            raise UsageError(
+                f"--recent does not apply to policy {self.policy!r} (it keeps no separate recent window); "
+                f"drop --recent or choose one of: {users}"
+            )
+        require_seed(self.seed)
         if self.positions not in POSITION_MODES:
             raise UsageError(
                 f"--positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}"
@@ -97,14 +129,16 @@ class CacheSettings:
     @property
     def recent_window(self) -> int:
         """R for this budget (0 without a budget)."""
-        if self.recent is not None:
-            return self.recent
-        return default_recent(self.budget) if self.budget is not None else 0
+        return self.recent_for(self.budget) if self.budget is not None else 0
+
+    def recent_for(self, budget: int) -> int:
+        """R for a budget of ``budget`` tokens: ``--recent`` when given, else ``min(128, K // 4)``."""
+        return self.recent if self.recent is not None else default_recent(budget)
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Decoding settings; ``temperature == 0`` is greedy."""
+    """Decoding settings; a temperature below :data:`GREEDY_BELOW` (0 included) is greedy."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -117,20 +151,23 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        require_finite("--temperature", self.temperature)
+        require_finite("--top-p", self.top_p)
+        require_seed(self.seed)
         if self.temperature < 0:
             raise UsageError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be 0 (off) or more, got {self.top_k}")
-        if self.temperature == 0 and (self.top_k or self.top_p < 1.0):
+        if self.greedy and (self.top_k or self.top_p < 1.0):
             raise UsageError("--top-k and --top-p only apply when sampling; add --temperature (e.g. 0.7)")
         if any(s == "" for s in self.stop):
             raise UsageError("--stop got an empty string; give the text that should end generation")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -156,6 +193,33 @@ class ModelSettings:
             raise UsageError(f"--attn must be one of {', '.join(ATTN_CHOICES)}, got {self.attn!r}")
         if self.model is not None and not self.model.strip():
             raise UsageError("--model is empty; give a directory, a .gguf file or a Hub id")
+        check_device_map(self.device_map)
+
+
+def check_device_map(spec: str) -> None:
+    """Raise :class:`UsageError` unless ``spec`` names a placement this machine has."""
+    if spec in PLACEMENTS:
+        return
+    match = _DEVICE.match(spec)
+    if match is None:
+        raise UsageError(
+            f"--device-map {spec!r} is not a placement; use one of {', '.join(DEVICE_MAP_NAMES)}, cuda:N or a GPU index"
+        )
+    import torch
+
+    kind = match.group(1) or "cuda"
+    index = match.group(3) or match.group(4)
+    if kind == "cpu":
+        if index is not None:
+            raise UsageError(f"--device-map {spec!r}: the CPU has no index; use --device-map cpu")
+        return
+    backend = getattr(torch, kind, None)
+    available = backend is not None and backend.is_available()
+    if not available:
+        raise UsageError(f"--device-map {spec}: this machine has no {kind.upper()} device (torch sees none); use --device-map cpu or auto")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if index is not None and int(index) >= count:
+        raise UsageError(f"--device-map {spec}: there is no {kind} device {index}; this machine has {count} (0-{count - 1})")
 
 
 @dataclass(frozen=True)

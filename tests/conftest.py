@@ -93,3 +93,16 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tmp_path_factory, tokenizer):
+    """The tiny Llama with a tokenizer that has no chat template (like the Gemma-3-270M GGUF)."""
+    path = tmp_path_factory.mktemp("tiny-llama-plain")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 257
+    model.save_pretrained(path)
+    plain = make_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(path)
+    return path

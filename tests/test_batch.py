@@ -1,15 +1,21 @@
-"""Batch files: good, malformed and over-budget lines; resume; interruption leaves valid JSONL."""
+"""Batch files: every line ends as exactly one output line, bad lines never end the batch, resume
+never skips a prompt that did not run, and the output file is checked before any model loads."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from epikv_cli import engine
-from epikv_cli.batch import read_prompt_file, repair_tail
+from epikv_cli import batch, engine
+from epikv_cli.batch import read_prompt_file, read_results
 from epikv_cli.cli import app
+from epikv_cli.errors import UsageError
 
 runner = CliRunner()
 
@@ -19,15 +25,38 @@ def write(path, lines):
     return path
 
 
-def run(model_dir, prompts, output, *extra):
+def run(model_dir, prompts, output, *extra, input=None):
     args = ["generate", "--model", str(model_dir), "-n", "8", "-b", "48", "--ignore-eos", "-q", "--prompts", str(prompts)]
     if output is not None:
         args += ["--output", str(output)]
-    return runner.invoke(app, [*args, *extra])
+    return runner.invoke(app, [*args, *extra], input=input)
 
 
 def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def error_lines(result):
+    """Line numbers named by ``epikv: FILE:LINE: message`` lines on stderr."""
+    return [int(line.split(":")[2]) for line in result.stderr.strip().splitlines() if line.startswith("epikv: ") and "error:" not in line]
+
+
+def assert_one_line_usage_error(result, *needles):
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epikv: error: ") and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if a model is loaded: checks must happen before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(batch, "load", refuse)
 
 
 def test_plain_text_file(tiny_model_dir, tmp_path):
@@ -60,9 +89,63 @@ def test_jsonl_with_good_malformed_and_over_budget_lines(tiny_model_dir, tmp_pat
     assert "not valid JSON" in rows[2]["error"] and rows[2]["text"] is None
     assert "--budget 48 is not larger" in rows["c"]["error"]
     assert "'prompt'" in rows["d"]["error"]
-    errors = result.stderr.strip().splitlines()
-    assert [line.split(":")[2] for line in errors] == ["2", "4", "5"]  # epikv: FILE:LINE: message
-    assert all(line.startswith(f"epikv: {prompts}:") for line in errors)
+    assert error_lines(result) == [2, 4, 5]
+    assert all(line.startswith(f"epikv: {prompts}:") for line in result.stderr.strip().splitlines())
+
+
+def test_bad_per_line_settings_are_that_lines_error(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join([
+        '{"id": "nan", "prompt": "hi", "temperature": NaN, "top_p": 0.9}',
+        json.dumps({"id": "neg", "prompt": "hi", "max_new_tokens": -3}),
+        json.dumps({"id": "unknown", "prompt": "hi", "max_tokens": 5}),
+        json.dumps({"id": "type", "prompt": "hi", "budget": "64"}),
+        json.dumps({"id": "bool", "prompt": "hi", "top_k": True}),
+        json.dumps({"id": "ok", "prompt": "hi", "stop": ["zzz"], "seed": 3}),
+        json.dumps({"id": "recent", "prompt": "hi", "recent": -1}),
+        json.dumps({"id": ["not", "an", "id"], "prompt": "hi"}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = run(tiny_model_dir, prompts, out)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    rows = records(out)
+    assert [r["line"] for r in rows] == list(range(1, 9))
+    errors = {r["id"]: r["error"] for r in rows}
+    assert "--temperature must be a finite number" in errors["nan"]
+    assert "--max-new-tokens must be at least 1" in errors["neg"]
+    assert "unknown key 'max_tokens'" in errors["unknown"]
+    assert "'budget' must be a whole number" in errors["type"]
+    assert "'top_k' must be a whole number" in errors["bool"]
+    assert "--recent must be 0 or more" in errors["recent"]
+    assert "'id' must be a string or a whole number" in errors[8]
+    assert errors["ok"] is None and rows[5]["stats"]["generated_tokens"] == 8
+    assert error_lines(result) == [1, 2, 3, 4, 5, 7, 8]
+
+
+def test_a_non_utf8_line_is_that_lines_error(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"first\ncaf\xe9 au lait\nthird\n")
+    out = tmp_path / "out.jsonl"
+    result = run(tiny_model_dir, prompts, out)
+    assert result.exit_code == 1
+    rows = records(out)
+    assert [(r["line"], r["error"] is None) for r in rows] == [(1, True), (2, False), (3, True)]
+    assert "not UTF-8 text (byte 0xe9 at column 4)" in rows[1]["error"]
+    assert error_lines(result) == [2]
+
+
+@pytest.mark.parametrize(
+    "lines, named",
+    [
+        ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}], "lines 1 and 3"),
+        ([{"prompt": "x"}, {"id": 1, "prompt": "y"}], "lines 1 and 2"),  # line 1's id is its line number
+    ],
+)
+def test_duplicate_ids_refuse_the_file_up_front(tiny_model_dir, tmp_path, no_model_load, lines, named):
+    prompts = write(tmp_path / "p.jsonl", [json.dumps(line) for line in lines])
+    out = tmp_path / "out.jsonl"
+    assert_one_line_usage_error(run(tiny_model_dir, prompts, out), named, "same id")
+    assert not out.exists() or out.read_text() == ""
 
 
 def test_results_to_stdout_without_output(tiny_model_dir, tmp_path):
@@ -72,10 +155,14 @@ def test_results_to_stdout_without_output(tiny_model_dir, tmp_path):
     assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == [1, 2]
 
 
-def test_resume_skips_finished_ids(tiny_model_dir, tmp_path, monkeypatch):
-    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+def test_prompts_from_stdin(tiny_model_dir, tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"id": 2, "line": 2, "prompt": "two", "text": "kept", "stats": {}, "error": None}) + "\n{\"id\": 3, \"li")
+    result = run(tiny_model_dir, "-", out, input='{"id": "s", "prompt": "from a pipe"}\n')
+    assert result.exit_code == 0, result.stderr
+    assert [(r["id"], r["prompt"]) for r in records(out)] == [("s", "from a pipe")]
+
+
+def spy_on_prompts(monkeypatch):
     seen = []
     real = engine.Generation.__init__
 
@@ -84,11 +171,64 @@ def test_resume_skips_finished_ids(tiny_model_dir, tmp_path, monkeypatch):
         real(self, model, tokenizer, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(engine.Generation, "__init__", spy)
+    return seen
+
+
+def test_resume_skips_finished_ids(tiny_model_dir, tmp_path, monkeypatch):
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": 2, "line": 2, "prompt": "two", "text": "kept", "stats": {}, "error": None}) + "\n{\"id\": 3, \"li")
+    seen = spy_on_prompts(monkeypatch)
     result = run(tiny_model_dir, prompts, out, "--resume")
     assert result.exit_code == 0, result.stderr
-    rows = records(out)  # the half-written last line was repaired
+    rows = records(out)  # the half-written last line is gone
     assert [r["id"] for r in rows] == [1, 2, 3] and rows[1]["text"] == "kept"
     assert len(seen) == 2
+
+
+def test_resume_retries_lines_that_failed(tiny_model_dir, tmp_path, monkeypatch):
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    out = tmp_path / "out.jsonl"
+    real = batch._generate
+
+    def flaky(loaded, item, prompt_settings):
+        if item.prompt == "two":
+            raise RuntimeError("the device fell over")
+        return real(loaded, item, prompt_settings)
+
+    monkeypatch.setattr(batch, "_generate", flaky)
+    first = run(tiny_model_dir, prompts, out)
+    assert first.exit_code == 1 and "RuntimeError: the device fell over" in records(out)[1]["error"]
+    again = run(tiny_model_dir, prompts, out, "--resume")  # still failing: reported, exit 1, one line per id
+    assert again.exit_code == 1 and error_lines(again) == [2]
+    assert [r["id"] for r in records(out)] == [1, 2, 3]
+    monkeypatch.setattr(batch, "_generate", real)
+    seen = spy_on_prompts(monkeypatch)
+    fixed = run(tiny_model_dir, prompts, out, "--resume")
+    assert fixed.exit_code == 0, fixed.stderr
+    assert len(seen) == 1  # only the failed prompt ran again
+    rows = records(out)
+    assert [r["id"] for r in rows] == [1, 2, 3] and all(r["error"] is None for r in rows)
+
+
+def test_a_runtime_error_on_one_prompt_is_recorded_and_the_batch_goes_on(tiny_model_dir, tmp_path, monkeypatch):
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    out = tmp_path / "out.jsonl"
+    real = engine.Generation._forward
+    calls = {"n": 0}
+
+    def forward(self, session, ids):
+        calls["n"] += 1
+        if calls["n"] == 8 + 3:  # inside the second prompt
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
+        return real(self, session, ids)
+
+    monkeypatch.setattr(engine.Generation, "_forward", forward)
+    result = run(tiny_model_dir, prompts, out)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    rows = records(out)
+    assert rows[1]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"
+    assert rows[0]["error"] is None and rows[2]["error"] is None and rows[2]["stats"]["generated_tokens"] == 8
 
 
 def test_interrupted_batch_leaves_valid_jsonl(tiny_model_dir, tmp_path, monkeypatch):
@@ -113,28 +253,102 @@ def test_interrupted_batch_leaves_valid_jsonl(tiny_model_dir, tmp_path, monkeypa
     assert [r["id"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_repair_tail(tmp_path):
+def test_read_results_ignores_a_cut_line_and_refuses_a_foreign_file(tmp_path):
     path = tmp_path / "x.jsonl"
-    path.write_bytes(b'{"id": 1}\n{"id": 2')
-    repair_tail(path)
-    assert path.read_bytes() == b'{"id": 1}\n'
+    path.write_bytes(b'{"id": 1, "error": null}\n{"id": 2')
+    assert read_results(path) == [{"id": 1, "error": None}]
+    path.write_bytes(b'{"id": 1}\nhello world\n{"id": 2}\n')
+    with pytest.raises(UsageError, match="line 2 is not an epikv result line"):
+        read_results(path)
+
+
+def test_existing_output_needs_resume_or_overwrite(tiny_model_dir, tmp_path, monkeypatch):
+    prompts = write(tmp_path / "p.txt", ["one"])
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "someone else\'s", "text": "precious"}\n')
+    with monkeypatch.context() as patch:
+        patch.setattr(batch, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+        assert_one_line_usage_error(run(tiny_model_dir, prompts, out), "already holds results", "--resume", "--overwrite")
+        assert_one_line_usage_error(run(tiny_model_dir, prompts, out, "--resume", "--overwrite"), "give one of them")
+        assert_one_line_usage_error(run(tiny_model_dir, prompts, None, "--overwrite"), "--overwrite needs --output")
+    assert "precious" in out.read_text()  # nothing was touched
+    replaced = run(tiny_model_dir, prompts, out, "--overwrite")
+    assert replaced.exit_code == 0
+    assert [r["id"] for r in records(out)] == [1]
+
+
+def test_output_onto_the_prompt_file_is_refused(tiny_model_dir, tmp_path, no_model_load):
+    prompts = write(tmp_path / "p.jsonl", [json.dumps({"prompt": "precious"})])
+    before = prompts.read_text()
+    for flag in ((), ("--resume",), ("--overwrite",)):
+        assert_one_line_usage_error(run(tiny_model_dir, prompts, prompts, *flag), "is the prompt file itself")
+        link = tmp_path / "link.jsonl"
+        link.unlink(missing_ok=True)
+        link.symlink_to(prompts)
+        assert_one_line_usage_error(run(tiny_model_dir, prompts, link, *flag), "is the prompt file itself")
+    assert prompts.read_text() == before
+
+
+@pytest.mark.parametrize("kind", ["missing directory", "directory", "fifo", "proc"])
+def test_unusable_output_is_refused_before_loading(tiny_model_dir, tmp_path, no_model_load, kind):
+    prompts = write(tmp_path / "p.txt", ["one"])
+    if kind == "missing directory":
+        target, needle = tmp_path / "nowhere" / "out.jsonl", "does not exist"
+    elif kind == "directory":
+        target, needle = tmp_path, "is a directory"
+    elif kind == "fifo":
+        target, needle = tmp_path / "pipe", "is a named pipe"
+        os.mkfifo(target)
+    else:  # a special file that even root cannot write
+        target, needle = Path("/proc/version"), "cannot be written"
+    assert_one_line_usage_error(run(tiny_model_dir, prompts, target), str(target), needle)
 
 
 @pytest.mark.parametrize(
     "args, needle",
     [
         (["--prompts", "/no/such/file.txt"], "prompt file not found"),
-        (["--resume", "hi"], "--output and --resume go with --prompts"),
+        (["--prompts", "DIR"], "is a directory, not a file of prompts"),
+        (["--prompts", "/dev/null"], "is a character device, not a file of prompts"),
+        (["--resume", "hi"], "--output, --resume and --overwrite go with --prompts"),
         (["--prompts", "PROMPTS", "hi"], "either a PROMPT or --prompts"),
+        (["--prompts", "PROMPTS", "--resume"], "--resume needs --output"),
+        (["--prompts", "PROMPTS", "--panel"], "--panel shows one streamed generation"),
     ],
 )
-def test_batch_usage_errors(tiny_model_dir, tmp_path, args, needle):
+def test_batch_usage_errors(tiny_model_dir, tmp_path, no_model_load, args, needle):
     prompts = write(tmp_path / "p.txt", ["one"])
-    args = [str(prompts) if a == "PROMPTS" else a for a in args]
+    args = [str(prompts) if a == "PROMPTS" else str(tmp_path) if a == "DIR" else a for a in args]
     result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), *args])
-    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert_one_line_usage_error(result, needle)
+
+
+def test_no_chat_template_is_said_once(tmp_path, plain_model_dir):
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    result = runner.invoke(app, ["generate", "--model", str(plain_model_dir), "-n", "2", "--prompts", str(prompts), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("has no chat template; the prompt is used as plain text") == 1
 
 
 def test_read_prompt_file_detects_jsonl_without_the_suffix(tmp_path):
     items = read_prompt_file(write(tmp_path / "p.txt", ['{"prompt": "a"}', '{"prompt": "b", "id": 7}']))
     assert [(i.id, i.prompt) for i in items] == [(1, "a"), (7, "b")]
+
+
+def test_read_prompt_file_keeps_unicode_line_separators_inside_a_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("one\u2028still one\r\ntwo\n", encoding="utf-8")
+    assert [item.prompt for item in read_prompt_file(path)] == ["one\u2028still one", "two"]
+
+
+def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": "tight", "prompt": "y" * 60, "budget": 8})])
+    out = tmp_path / "out.jsonl"
+    assert run(tiny_model_dir, prompts, out).exit_code == 1
+    error = records(out)[0]["error"]
+    suggested = int(re.search(r"use --budget (\d+) or more", error).group(1))
+    write(prompts, [json.dumps({"id": "tight", "prompt": "y" * 60, "budget": suggested})])
+    assert run(tiny_model_dir, prompts, out, "--resume").exit_code == 0
+    write(prompts, [json.dumps({"id": "tight", "prompt": "y" * 60, "budget": suggested - 1})])
+    assert run(tiny_model_dir, prompts, out, "--overwrite").exit_code == 1
+    assert f"use --budget {suggested} or more" in records(out)[0]["error"]

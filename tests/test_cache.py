@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.cache import BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.cache import HEADROOM, BudgetCache, BudgetLayer, SlotTable
 from epikv_cli.errors import UsageError
 
 from conftest import ARCHITECTURES
@@ -27,7 +27,7 @@ def test_slot_table_fills_holes_with_the_newest_entries():
 
 
 def test_layer_append_and_evict_touch_only_the_slots_involved():
-    layer = BudgetLayer(capacity=9)
+    layer = BudgetLayer(limit=9)
     layer.update(*states(8))
     buffer = layer.keys.data_ptr()
     before = layer.keys.clone()
@@ -42,16 +42,31 @@ def test_layer_append_and_evict_touch_only_the_slots_involved():
     assert layer.keys[0, 0, 7, 0] == 8 and layer.length == 8
 
 
-def test_layer_grows_when_more_than_capacity_is_appended():
-    layer = BudgetLayer(capacity=4)
+def test_layer_grows_past_its_limit_only_when_one_forward_needs_it():
+    layer = BudgetLayer(limit=4)
     k, v = layer.update(*states(3))
+    assert layer.capacity == 4  # first forward: its tokens plus headroom, capped by the limit
     k, v = layer.update(*states(3, start=3))
-    assert layer.capacity >= 6 and k.shape[-2] == 6
+    assert layer.capacity == 6 and k.shape[-2] == 6
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def test_unbounded_layer_allocates_as_it_fills():
+    """An unbounded (or huge) limit never allocates up front: prompt + HEADROOM, then doubling."""
+    layer = BudgetLayer(limit=10**6)  # e.g. --budget 10**12 -n 10**6: 10**6 slots must not be allocated now
+    layer.update(*states(5))
+    assert layer.capacity == 5 + HEADROOM
+    for t in range(5, 5 + HEADROOM + 1):
+        layer.update(*states(1, start=t))
+    assert layer.capacity == 2 * (5 + HEADROOM)  # one doubling
+    assert layer.keys[0, 0, : layer.length, 0].tolist() == list(range(6 + HEADROOM))
+    unbounded = BudgetLayer(limit=None)
+    unbounded.update(*states(3))
+    assert unbounded.capacity == 3 + HEADROOM
+
+
 def test_layer_reports_logical_length_and_offsets_the_mask():
-    layer = BudgetLayer(capacity=8)
+    layer = BudgetLayer(limit=8)
     layer.update(*states(6))
     layer.move(torch.tensor([1]), torch.tensor([5]), new_length=5)
     assert layer.get_seq_length() == 6  # tokens seen, like sliding-window layers
@@ -59,7 +74,7 @@ def test_layer_reports_logical_length_and_offsets_the_mask():
 
 
 def test_batch_size_above_one_is_refused():
-    layer = BudgetLayer(capacity=4)
+    layer = BudgetLayer(limit=4)
     k, v = states(2)
     with pytest.raises(UsageError, match="batch size 2"):
         layer.update(k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
@@ -90,3 +105,12 @@ def test_preallocates_budget_plus_one_slots():
     cache.update(*states(10), 0)
     assert cache.layers[0].keys.shape[-2] == 33
     assert cache.kv_bytes() == 2 * 33 * 2 * 4 * 4
+
+
+def test_never_more_slots_than_the_sequence_can_hold():
+    cache = BudgetCache(ARCHITECTURES["llama"](), budget=10**12, max_tokens=20)
+    cache.update(*states(10), 0)
+    assert cache.layers[0].keys.shape[-2] == 20  # min(K + 1, prompt + max new tokens)
+    full = BudgetCache(ARCHITECTURES["llama"](), budget=None, max_tokens=10**8)
+    full.update(*states(10), 0)
+    assert full.layers[0].keys.shape[-2] == 10 + HEADROOM

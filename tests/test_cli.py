@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 from typer.testing import CliRunner
 
 from epikv_cli import engine
+from epikv_cli.cache import HEADROOM
 from epikv_cli.cli import app
+from epikv_cli.entry import STARTUP_INTERRUPTED
+from epikv_cli.policies import POLICIES
 
 runner = CliRunner()
 
@@ -163,3 +175,175 @@ def test_real_sigint_stops_cleanly(tiny_model_dir):
     assert process.returncode == 130, err
     assert b"Traceback" not in err and b"interrupted" in err
     assert (first + rest).endswith(b"\n")  # the line is closed, the shell prompt starts clean
+
+
+# -- issue 6: crashes, lost work and misleading messages ------------------------------------------
+@contextmanager
+def address_space_limit(extra_bytes: int):
+    """Let this process map at most ``extra_bytes`` more than it has now (a runaway allocation fails fast)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def interrupt_after(monkeypatch, forwards: int) -> None:
+    real_forward = engine.Generation._forward
+    calls = {"n": 0}
+
+    def forward(self, session, ids):
+        calls["n"] += 1
+        if calls["n"] > forwards:
+            raise KeyboardInterrupt
+        return real_forward(self, session, ids)
+
+    monkeypatch.setattr(engine.Generation, "_forward", forward)
+
+
+@pytest.mark.parametrize("args", [["--policy", "full"], ["--budget", "1000000000000"]])
+def test_huge_max_new_tokens_allocates_as_the_cache_fills(tiny_model_dir, monkeypatch, args):
+    interrupt_after(monkeypatch, 20)
+    with address_space_limit(4 * 2**30):  # the old up-front allocation (~51 GB here) would fail inside it
+        result = invoke("generate", "--model", str(tiny_model_dir), "-n", "100000000", "--ignore-eos", "--json", *args, "hello")
+    assert result.exit_code == 130, result.stderr
+    data = json.loads(result.stdout)
+    assert data["generated_tokens"] == 20 and data["stop_reason"] == "interrupted"
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    bytes_per_slot = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # keys + values, float32
+    assert data["kv_cache_bytes"] == (data["prompt_tokens"] + HEADROOM) * bytes_per_slot
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--temperature", "nan", "hi"], ["--temperature must be a finite number"]),
+        (["--temperature", "inf", "hi"], ["--temperature must be a finite number"]),
+        (["--temperature", "1", "--top-p", "nan", "hi"], ["--top-p must be a finite number"]),
+        (["--seed", "100000000000000000000000", "hi"], ["--seed must be a whole number from 0"]),
+        (["--seed", "-1", "--temperature", "1", "hi"], ["--seed must be a whole number from 0"]),
+        (["--device-map", "cuda", "hi"], ["--device-map cuda", "no CUDA device"]),
+        (["--device-map", "cuda:1", "hi"], ["--device-map cuda:1", "no CUDA device"]),
+        (["--device-map", "gpu please", "hi"], ["is not a placement"]),
+        (["--spike-threshold", "nan", "hi"], ["--spike-threshold must be a finite number"]),
+        (["--spike-threshold", "inf", "hi"], ["--spike-threshold must be a finite number"]),
+        (["--bands", "10:+2", "hi"], ["each SIGN is +1 or -1"]),
+        (["--policy", "streaming", "--recent", "8", "hi"], ["--recent does not apply to policy 'streaming'"]),
+        (["--policy", "full", "--recent", "8", "hi"], ["--recent does not apply to policy 'full'"]),
+        (["--panel", "--json", "hi"], ["--panel", "--json"]),
+        (["--attn", "flash", "hi"], ["--attn"]),
+        (["--overwrite", "hi"], ["--output, --resume and --overwrite go with --prompts"]),
+    ],
+)
+def test_more_bad_input_is_one_line(monkeypatch, args, needles):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the same answer on a machine with GPUs
+    assert_one_line_usage_error(invoke("generate", "--model", "/nonexistent/but/never/loaded", *args), *needles)
+
+
+def test_non_utf8_prompt_bytes_become_replacement_characters(tiny_model_dir):
+    def run(*args, input=None):
+        return invoke("generate", "--model", str(tiny_model_dir), "-n", "6", "--json", *args, input=input)
+
+    reference = run("caf\ufffd au lait")
+    piped = run("-", input=b"caf\xe9 au lait")
+    argv = run("caf\udce9 au lait")  # what Python makes of the byte 0xe9 in argv
+    for result in (piped, argv):
+        assert result.exit_code == 0 and "Traceback" not in result.stderr
+        assert "not valid UTF-8" in result.stderr
+        assert json.loads(result.stdout)["text"] == json.loads(reference.stdout)["text"]
+        assert json.loads(result.stdout)["prompt_tokens"] == json.loads(reference.stdout)["prompt_tokens"]
+    stop = run("--stop", "\udcff", "hello")
+    assert stop.exit_code == 0 and "--stop is not valid UTF-8" in stop.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_while_the_model_loads(tiny_model_dir, monkeypatch, as_json):
+    def loading(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("epikv_cli.generate.load", loading)
+    result = invoke("generate", "--model", str(tiny_model_dir), *(["--json"] if as_json else []), "hello")
+    assert result.exit_code == 130
+    assert result.stderr.strip() == "epikv: interrupted before the first token; nothing was generated"
+    if as_json:
+        data = json.loads(result.stdout)
+        assert data["stop_reason"] == "interrupted" and data["generated_tokens"] == 0 and data["text"] == ""
+        assert set(data) == set(json.loads(invoke("generate", "--model", str(tiny_model_dir), "-n", "1", "--json", "hi").stdout))
+    else:
+        assert result.stdout == ""
+
+
+def test_ctrl_c_during_prefill_does_not_mention_text_above(tiny_model_dir, monkeypatch):
+    interrupt_after(monkeypatch, 0)
+    result = invoke("generate", "--model", str(tiny_model_dir), "hello")
+    assert result.exit_code == 130
+    assert "nothing was generated" in result.stderr and "text above" not in result.stderr
+
+
+def test_real_sigint_while_starting_up(tiny_model_dir):
+    """SIGINT while torch is being imported: exit 130 with one line, never a traceback or an abort."""
+    command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir), "--json", "hello"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text() and time.monotonic() < deadline:
+        time.sleep(0.002)  # torch's shared libraries are being mapped: the import is under way
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.decode().strip() == STARTUP_INTERRUPTED and out == b""
+
+
+def suggested_budget(stderr: str) -> int:
+    return int(re.search(r"use --budget (\d+) or more", stderr).group(1))
+
+
+@pytest.mark.parametrize("prompt, extra", [("hello", []), ("a" * 300, []), ("hello", ["--recent", "30"]), ("hello", ["-p", "streaming"])])
+def test_the_suggested_budget_works_and_is_the_smallest(tiny_model_dir, prompt, extra):
+    def run(budget):
+        return invoke("generate", "--model", str(tiny_model_dir), "-n", "3", "-q", "-b", str(budget), *extra, prompt)
+
+    first = run(1)
+    assert_one_line_usage_error(first, "use --budget")
+    suggested = suggested_budget(first.stderr)
+    assert run(suggested).exit_code == 0
+    below = run(suggested - 1)
+    assert_one_line_usage_error(below, f"use --budget {suggested} or more")
+
+
+def test_streaming_budget_message_names_its_own_numbers(tiny_model_dir):
+    result = invoke("generate", "--model", str(tiny_model_dir), "-p", "streaming", "-b", "4", "hello")
+    assert_one_line_usage_error(result, "too small for streaming", "4 sink tokens", "use --budget 5 or more")
+    assert "prompt" not in result.stderr
+
+
+def test_no_arguments_prints_help_and_succeeds():
+    result = invoke()
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "Usage: epikv" in result.stdout and "generate" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]])
+def test_help_fits_80_columns(args):
+    result = runner.invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    text = result.stdout
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "<bool>" not in text and "…" not in text
+    if args[0] == "generate":
+        for name in (*POLICIES, "compressed", "flash_attention_2", "bfloat16"):
+            assert re.search(rf"(?<![\w-]){name}(?![\w-])", text), name  # whole, never broken mid-word
+        for whole in ("SmolLM2-135M-Instruct", "--no-chat-template", "--no-panel", "--max-new-tokens", "EPIKV_MODEL"):
+            assert whole in text
+
+
+def test_model_without_a_chat_template_says_so_once(plain_model_dir):
+    result = invoke("generate", "--model", str(plain_model_dir), "-n", "2", "hello")
+    assert result.exit_code == 0
+    assert result.stderr.count("has no chat template; the prompt is used as plain text") == 1
+    quiet = invoke("generate", "--model", str(plain_model_dir), "-n", "2", "-q", "hello")
+    assert quiet.stderr == ""
+    chosen = invoke("generate", "--model", str(plain_model_dir), "-n", "2", "--no-chat-template", "hello")
+    assert "chat template" not in chosen.stderr

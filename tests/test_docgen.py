@@ -61,6 +61,14 @@ def test_bash_completion():
     assert bash_complete("epikv", "generate", "--policy", "") == ["epikv", "full", "lagkv", "random", "streaming"]
     assert bash_complete("epikv", "generate", "--positions", "c") == ["compressed"]
     assert "--no-chat-template" in bash_complete("epikv", "generate", "--no-")
+    assert bash_complete("epikv", "generate", "--attn", "") == ["auto", "sdpa", "eager", "flash_attention_2"]
+    assert bash_complete("epikv", "generate", "--device-map", "b") == ["balanced", "balanced_low_0"]
+    assert bash_complete("epikv", "generate", "--device-map", "c") == ["cpu", "cuda"]
+
+
+def test_man_page_says_repeatable_once():
+    page = (ROOT / "man/epikv.1").read_text()
+    assert "repeatable" not in page.lower() and page.count("May be repeated.") == 1
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")

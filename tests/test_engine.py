@@ -90,3 +90,9 @@ def test_closing_early_leaves_an_interrupted_result(tokenizer):
     stream.close()
     assert generation.result.stop_reason == "interrupted"
     assert generation.result.generated_tokens == 7
+
+
+def test_tiny_temperature_gives_the_greedy_tokens(tokenizer):
+    _, greedy = run(tokenizer, max_new_tokens=12)
+    _, tiny = run(tokenizer, max_new_tokens=12, temperature=3.7e-181, seed=1)
+    assert tiny.token_ids == greedy.token_ids

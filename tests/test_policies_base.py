@@ -68,3 +68,30 @@ def test_budget_check_names_the_fix():
     with pytest.raises(UsageError, match="use --budget 41 or more"):
         policy.check_budget(prompt_len=30, budget=40)  # recent = min(128, 40 // 4) = 10
     policy.check_budget(prompt_len=29, budget=40)
+
+
+def smallest_budget_by_search(prompt_len: int, recent_for) -> int:
+    """Reference: try every budget from 1 up."""
+    budget = 1
+    while not budget > prompt_len + recent_for(budget):
+        budget += 1
+    return budget
+
+
+@pytest.mark.parametrize("recent", [None, 0, 7, 300])
+def test_min_budget_is_the_smallest_that_works(recent):
+    settings = CacheSettings(budget=64, policy="epikv", recent=recent)
+    policy = make_policy(settings)
+    for prompt_len in range(0, 700, 7):
+        expected = smallest_budget_by_search(prompt_len, settings.recent_for)
+        assert policy.min_budget(prompt_len) == expected, prompt_len
+        policy.check_budget(prompt_len, expected)
+        with pytest.raises(UsageError, match=f"use --budget {expected} or more"):
+            policy.check_budget(prompt_len, expected - 1)
+
+
+def test_default_recent_window_makes_the_old_suggestion_wrong():
+    """The bug this replaces: prompt + R(K) + 1 with R taken at the too-small K (32, then 40, then 42)."""
+    policy = make_policy(CacheSettings(budget=1, policy="epikv"))
+    assert policy.min_budget(31) == 42  # R(42) = 10: 31 + 10 + 1 = 42
+    assert CacheSettings(budget=41).recent_for(41) == 10 and not 41 > 31 + 10

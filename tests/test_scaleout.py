@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,52 @@ def test_two_processes_write_one_merged_output(tiny_model_dir, tmp_path):
     assert [r["id"] for r in rows] == [r["id"] for r in read(single)]
     assert [r["text"] for r in rows] == [r["text"] for r in read(single)]  # same greedy results as one process
     assert "not valid JSON" in rows[3]["error"]
+
+
+def launch_with(tmp_path, tiny_model_dir, injection: str, prompts: list[str], timeout: int = 240):
+    """torchrun over two CPU ranks with ``injection`` run at start-up of every rank (a sitecustomize)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') is not None:\n" + "".join(f"    {line}\n" for line in injection.splitlines())
+    )
+    path = tmp_path / "p.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "out.jsonl"
+    command = [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir),
+               "-n", "6", "-b", "48", "--ignore-eos", "-q", "--prompts", str(path), "--output", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(inject)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    return done, out
+
+
+def test_out_of_memory_on_one_rank_is_that_prompts_error(tiny_model_dir, tmp_path):
+    injection = (
+        "import torch, epikv_cli.batch as batch\n"
+        "real = batch._generate\n"
+        "def flaky(loaded, item, settings):\n"
+        "    if item.prompt == 'question 3':\n"
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "    return real(loaded, item, settings)\n"
+        "batch._generate = flaky\n"
+    )
+    done, out = launch_with(tmp_path, tiny_model_dir, injection, [f"question {i}" for i in range(6)])
+    assert done.returncode == 1, done.stderr[-2000:]
+    rows = read(out)
+    assert [r["line"] for r in rows] == list(range(1, 7)) and {r["rank"] for r in rows} == {0, 1}
+    assert [r["line"] for r in rows if r["error"]] == [4]
+    assert rows[3]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert not re.search(r'File ".*epikv_cli', done.stderr)  # torchrun reports the exit status 1; no epikv traceback
+
+
+def test_a_rank_that_dies_never_leaves_the_other_waiting(tiny_model_dir, tmp_path):
+    """Rank 1 fails outside any prompt (here: its model load); the launch ends, it does not hang."""
+    injection = (
+        "if os.environ['RANK'] == '1':\n"
+        "    import epikv_cli.batch as batch\n"
+        "    def broken(*args, **kwargs):\n"
+        "        raise SystemExit(3)\n"
+        "    batch.load = broken\n"
+    )
+    done, out = launch_with(tmp_path, tiny_model_dir, injection, [f"question {i}" for i in range(4)], timeout=120)
+    assert done.returncode != 0  # and subprocess.run's timeout did not fire

@@ -10,10 +10,12 @@ from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings, d
 
 def test_parse_bands():
     assert parse_bands("10:+1,21:-1") == ((10, 1.0), (21, -1.0))
-    assert parse_bands(" 3:1 , 7:-0.5") == ((3, 1.0), (7, -0.5))
+    assert parse_bands(" 3:1 , 7:-1.0") == ((3, 1.0), (7, -1.0))
 
 
-@pytest.mark.parametrize("text", ["", "10", "10:", "a:+1", "10:+1;21:-1", "10:0", "-1:+1", "3:+1,3:-1"])
+@pytest.mark.parametrize(
+    "text", ["", "10", "10:", "a:+1", "10:+1;21:-1", "10:0", "-1:+1", "3:+1,3:-1", "10:+2", "10:-0.5", "10:nan"]
+)
 def test_malformed_bands(text):
     with pytest.raises(UsageError):
         parse_bands(text)
@@ -54,3 +56,62 @@ def test_sampling_settings_errors(kwargs):
 def test_model_settings_errors():
     with pytest.raises(UsageError):
         ModelSettings(dtype="int4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": float("nan")}, "--temperature must be a finite number"),
+        ({"temperature": float("inf")}, "--temperature must be a finite number"),
+        ({"temperature": 1.0, "top_p": float("nan")}, "--top-p must be a finite number"),
+        ({"temperature": 1.0, "seed": 2**64}, "--seed"),
+        ({"temperature": 1.0, "seed": -1}, "--seed"),
+    ],
+)
+def test_sampling_numbers_must_be_usable(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        SamplingSettings(**kwargs)
+
+
+def test_largest_seed_is_accepted():
+    assert SamplingSettings(temperature=1.0, seed=2**64 - 1).seed == 2**64 - 1
+    with pytest.raises(UsageError, match="--seed"):
+        CacheSettings(budget=64, policy="random", seed=2**64)
+
+
+@pytest.mark.parametrize("spec", ["auto", "balanced", "balanced_low_0", "sequential", "cpu"])
+def test_device_maps_this_machine_has(spec):
+    assert ModelSettings(device_map=spec).device_map == spec
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("cuda", "no CUDA device"), ("cuda:0", "no CUDA device"), ("0", "no CUDA device"), ("cpu:1", "has no index"),
+     ("tpu", "not a placement"), ("", "not a placement")],
+)
+def test_device_maps_this_machine_lacks(monkeypatch, spec, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(UsageError, match=message):
+        ModelSettings(device_map=spec)
+
+
+def test_device_index_beyond_the_gpus(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert ModelSettings(device_map="cuda:1").device_map == "cuda:1"
+    with pytest.raises(UsageError, match="there is no cuda device 2; this machine has 2"):
+        ModelSettings(device_map="cuda:2")
+
+
+@pytest.mark.parametrize("policy", ["streaming", "full"])
+def test_recent_is_refused_where_it_means_nothing(policy):
+    with pytest.raises(UsageError, match=f"--recent does not apply to policy '{policy}'"):
+        CacheSettings(budget=None if policy == "full" else 64, policy=policy, recent=8)
+
+
+def test_tiny_temperatures_decode_greedily():
+    """1e-40 would overflow float32 logits into NaN probabilities; below 1e-5 is greedy (as in vLLM)."""
+    assert SamplingSettings(temperature=1e-40).greedy and SamplingSettings(temperature=0.0).greedy
+    assert not SamplingSettings(temperature=1e-5).greedy
+    with pytest.raises(UsageError, match="only apply when sampling"):
+        SamplingSettings(temperature=1e-9, top_k=5)

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli import app
 from epikv_cli.engine import Generation, StepEvent
+from epikv_cli.policies import POLICIES
 from epikv_cli.settings import CacheSettings, SamplingSettings
 from epikv_cli.ui import LivePanel, PanelState, PanelView, sparkline
 
@@ -22,7 +23,7 @@ def run_state(tokenizer, policy="epikv", threshold=1.0):
     ids = tokenizer("Hello there, tell me a story", return_tensors="pt")["input_ids"]
     budget = 40 if policy != "full" else None
     generation = Generation(
-        MODEL, tokenizer, ids, CacheSettings(budget=budget, policy=policy, recent=8),
+        MODEL, tokenizer, ids, CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].uses_recent else None),
         SamplingSettings(max_new_tokens=120, ignore_eos=True),
     )
     state = PanelState(budget=budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores, spike_threshold=threshold)

@@ -22,7 +22,9 @@ POLICIES: dict[str, type[Policy]] = {
 
 def make_policy(settings: CacheSettings) -> Policy:
     """The policy named by ``settings.policy``, configured from ``settings``."""
-    return POLICIES[settings.policy].from_settings(settings)
+    policy = POLICIES[settings.policy].from_settings(settings)
+    policy.recent_follows_budget = policy.uses_recent and settings.recent is None
+    return policy
 
 
 __all__ = ["POLICIES", "Policy", "make_policy", "EpiKV", "LagKV", "Streaming", "RandomEviction", "FullCache"]

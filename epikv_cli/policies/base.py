@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..errors import UsageError
+from ..settings import default_recent
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
@@ -22,13 +23,20 @@ class Policy(ABC):
         evicts: False for the unbounded ``full`` cache.
         has_scores: True when each token gets a frozen score worth plotting.
         protects_prompt: True when prompt tokens and the recent window are never evicted.
+        uses_recent: False when the policy has no recent window, so ``--recent`` means nothing to it.
+
+    Instance attributes:
+        recent: R, the recent window in force.
+        recent_follows_budget: True when R is the default ``min(128, K // 4)`` rather than a fixed ``--recent``.
     """
 
     name: ClassVar[str]
     evicts: ClassVar[bool] = True
     has_scores: ClassVar[bool] = False
     protects_prompt: ClassVar[bool] = True
+    uses_recent: ClassVar[bool] = True
     recent: int = 0
+    recent_follows_budget: bool = False
 
     @classmethod
     @abstractmethod
@@ -50,9 +58,20 @@ class Policy(ABC):
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         """Return ``count`` live slots of ``cache`` to evict."""
 
+    def recent_for(self, budget: int) -> int:
+        """R under a budget of ``budget`` tokens (the default window grows with K)."""
+        return default_recent(budget) if self.recent_follows_budget else self.recent
+
     def min_budget(self, prompt_len: int) -> int:
-        """Smallest budget this policy accepts for a prompt of ``prompt_len`` tokens."""
-        return prompt_len + self.recent + 1
+        """Smallest K with K > prompt + R(K): room for the prompt, the recent window and one new token.
+
+        K - R(K) never decreases as K grows, so iterating K <- prompt + R(K) + 1 from below climbs to
+        the smallest fixed point without overshooting it.
+        """
+        budget = prompt_len + 1
+        while budget < (needed := prompt_len + self.recent_for(budget) + 1):
+            budget = needed
+        return budget
 
     def check_budget(self, prompt_len: int, budget: int | None) -> None:
         """Raise :class:`UsageError` when ``budget`` cannot hold the prompt and the recent window."""
@@ -60,10 +79,15 @@ class Policy(ABC):
             return
         needed = self.min_budget(prompt_len)
         if budget < needed:
-            raise UsageError(
-                f"--budget {budget} is not larger than the {prompt_len}-token prompt plus the "
-                f"{self.recent}-token recent window; use --budget {needed} or more, a shorter prompt, or a smaller --recent"
-            )
+            raise UsageError(self.budget_advice(prompt_len, budget, needed))
+
+    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
+        """The message for a budget below :meth:`min_budget`."""
+        return (
+            f"--budget {budget} is not larger than the {prompt_len}-token prompt plus the "
+            f"{self.recent_for(budget)}-token recent window; use --budget {needed} or more "
+            f"(its recent window is {self.recent_for(needed)}), a shorter prompt, or a smaller --recent"
+        )
 
     def score_of(self, position: int) -> float | None:
         """The frozen score of the token at ``position``, if this policy keeps one."""

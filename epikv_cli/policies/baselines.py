@@ -18,6 +18,7 @@ class FullCache(Policy):
 
     name = "full"
     evicts = False
+    uses_recent = False
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> FullCache:
@@ -32,6 +33,7 @@ class Streaming(Policy):
 
     name = "streaming"
     protects_prompt = False
+    uses_recent = False
 
     def __init__(self, sinks: int = 4) -> None:
         self.sinks = sinks
@@ -42,6 +44,12 @@ class Streaming(Policy):
 
     def min_budget(self, prompt_len: int) -> int:
         return self.sinks + 1
+
+    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
+        return (
+            f"--budget {budget} is too small for streaming, which keeps {self.sinks} sink tokens and "
+            f"at least one recent token; use --budget {needed} or more"
+        )
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()
