@@ -118,8 +118,10 @@ class BatchFiles:
             info = output.stat()
         except FileNotFoundError:
             parent = output.parent
-            if not parent.is_dir():
+            if not parent.exists():
                 raise UsageError(f"--output {output}: the directory {parent} does not exist; create it first") from None
+            if not parent.is_dir():
+                raise UsageError(f"--output {output}: {parent} is not a directory") from None
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise UsageError(f"--output {output}: cannot create files in {parent} (permission denied)") from None
             return
