@@ -12,7 +12,7 @@ _epikv() {
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
             --budget|-b) COMPREPLY=(); return ;;
-            --policy|-p) COMPREPLY=($(compgen -W "epikv full lagkv random streaming" -- "$cur")); return ;;
+            --policy|-p) COMPREPLY=($(compgen -W "epikv full h2o knorm lagkv random rkv streaming tova" -- "$cur")); return ;;
             --recent) COMPREPLY=(); return ;;
             --bands) COMPREPLY=(); return ;;
             --positions) COMPREPLY=($(compgen -W "logical compressed" -- "$cur")); return ;;

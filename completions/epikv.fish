@@ -10,7 +10,7 @@ complete -c epikv -n '__fish_seen_subcommand_from generate' -l device-map -x -a 
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l dtype -x -a 'auto float32 bfloat16 float16' -d 'Weights dtype (auto: the checkpoint\'s).'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l attn -x -a 'auto sdpa eager flash_attention_2' -d 'Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l budget -s b -x -d 'K: most KV entries per layer, prompt included.'
-complete -c epikv -n '__fish_seen_subcommand_from generate' -l policy -s p -x -a 'epikv full lagkv random streaming' -d 'Eviction policy.'
+complete -c epikv -n '__fish_seen_subcommand_from generate' -l policy -s p -x -a 'epikv full h2o knorm lagkv random rkv streaming tova' -d 'Eviction policy.'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l recent -x -d 'R: generated tokens always kept (epikv, lagkv, random). Default min(128, K // 4).'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l bands -x -d 'EpiKV bands: 0-based layer and sign +1 or -1, e.g. 10:+1,21:-1. Default: depth fractions 10/31, 21/31.'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l positions -x -a 'logical compressed' -d 'RoPE positions after eviction: logical (true index) or compressed (paper-time harness).'

@@ -22,7 +22,7 @@ NO_TEMPLATE_NOTE = "this model's tokenizer has no chat template; the prompt is u
 def summary_line(result: GenerationResult) -> str:
     """One human line with the run's statistics (for stderr)."""
     speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else "n/a tok/s"
-    budget = f"/{result.budget}" if result.budget is not None else ""
+    budget = f" (budget {result.budget})" if result.budget is not None else ""
     return (
         f"{result.generated_tokens} tokens, {speed} decode, evicted {result.evicted}, "
         f"peak stored {result.peak_stored}{budget}, stop: {result.stop_reason}, "

@@ -16,9 +16,11 @@ from typing import Iterator
 
 from torch import nn
 
+from .attention import AttentionTaps
 from .cache import BudgetCache
 from .errors import UsageError
 from .policies import Policy, make_policy
+from .policies.base import Signals
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -44,11 +46,14 @@ class EpiKVSession:
         self.policy.setup(len(decoder_blocks(model)))
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
-            model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed"
+            model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",
+            slack=self.policy.slack,
         )
         self.cache.policy = self.policy
         self.last = ForwardRecord()
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
+        needs = self.policy.attention_needs
+        self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
         self._handles = [model.register_forward_hook(self._after_forward)]
         if self.cache.compressed_positions:
             self._handles.append(model.register_forward_pre_hook(self._compressed_positions, with_kwargs=True))
@@ -79,11 +84,14 @@ class EpiKVSession:
                 "EpiKV needs the whole prompt in the first forward and one token per step after it; "
                 "drop prefill_chunk_size, and start a new cache for each conversation turn"
             )
-        self.policy.observe(self.taps.outputs, appended, prompt)
+        record = self.attention.record if self.attention is not None else None
+        self.policy.observe(Signals(appended, prompt, self.taps.outputs, record, self.cache))
         self.taps.clear()
+        if record is not None:
+            record.clear_forward()
+        self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)  # the in-step peak: K + 1
         over = self.cache.over_budget()
         evicted = self.cache.evict(self.policy.select(self.cache, over)) if over else []
-        self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)
         self.last = ForwardRecord(appended, evicted)
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -92,6 +100,9 @@ class EpiKVSession:
             handle.remove()
         self._handles = []
         self.taps.remove()
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
 
     def __enter__(self) -> EpiKVSession:
         return self

@@ -128,12 +128,10 @@ class CacheSettings:
 
     @property
     def recent_window(self) -> int:
-        """R for this budget (0 without a budget)."""
-        return self.recent_for(self.budget) if self.budget is not None else 0
-
-    def recent_for(self, budget: int) -> int:
-        """R for a budget of ``budget`` tokens: ``--recent`` when given, else ``min(128, K // 4)``."""
-        return self.recent if self.recent is not None else default_recent(budget)
+        """R for this budget under the default rule (0 without a budget); some policies have their own."""
+        if self.recent is not None:
+            return self.recent
+        return default_recent(self.budget) if self.budget is not None else 0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from epikv_cli import docgen
+from epikv_cli.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def bash_complete(*words: str) -> list[str]:
 def test_bash_completion():
     assert bash_complete("epikv", "") == ["generate", "--version", "--install-completion", "--show-completion", "--help", "-h"]
     assert bash_complete("epikv", "generate", "--pol") == ["--policy"]
-    assert bash_complete("epikv", "generate", "--policy", "") == ["epikv", "full", "lagkv", "random", "streaming"]
+    assert bash_complete("epikv", "generate", "--policy", "") == sorted(POLICIES)
     assert bash_complete("epikv", "generate", "--positions", "c") == ["compressed"]
     assert "--no-chat-template" in bash_complete("epikv", "generate", "--no-")
     assert bash_complete("epikv", "generate", "--attn", "") == ["auto", "sdpa", "eager", "flash_attention_2"]
@@ -75,7 +76,7 @@ def test_man_page_says_repeatable_once():
 def test_fish_completion():
     script = f"source {ROOT / 'completions/epikv.fish'}; complete -C 'epikv generate --policy '"
     out = subprocess.run(["fish", "-c", script], capture_output=True, text=True, check=True).stdout
-    assert [line.split("\t")[0] for line in out.splitlines()] == ["epikv", "full", "lagkv", "random", "streaming"]
+    assert [line.split("\t")[0] for line in out.splitlines()] == sorted(POLICIES)
 
 
 @pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")

@@ -7,6 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epikv_cli.engine import Generation
+from epikv_cli.policies import POLICIES, make_policy
+from epikv_cli.policies.baselines import Streaming
+from epikv_cli.policies.h2o import H2O
+from epikv_cli.policies.rkv import RKV
 from epikv_cli.settings import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
@@ -57,7 +61,8 @@ def test_budget_invariants(tokenizer, policy, prompt_len, slack, recent, new_tok
     finally:
         log.handle.remove()
     result = run.result
-    assert result.peak_stored <= budget
+    total = prompt_len + new_tokens - 1
+    assert result.peak_stored == min(total, budget + 1)  # the in-step peak: K + 1 before the keep-set
     assert result.generated_tokens == new_tokens
     flat = [p for step in log.seen for p in step]
     if positions == "logical":
@@ -66,7 +71,6 @@ def test_budget_invariants(tokenizer, policy, prompt_len, slack, recent, new_tok
     else:  # paper-time harness: the next position is the stored length
         decode = [min(prompt_len + i, budget) for i in range(new_tokens - 1)]
         assert flat == list(range(prompt_len)) + decode
-    total = prompt_len + new_tokens - 1
     assert result.evicted == max(0, total - budget)
 
 
@@ -90,3 +94,41 @@ def test_prompt_and_recent_window_always_stored(tokenizer, prompt_len, slack, ne
                 assert cache.stored <= budget and len(live) == cache.stored
                 assert set(range(prompt_len)) <= live
                 assert set(range(max(prompt_len, cache.seen - recent), cache.seen)) <= live
+
+
+def protected(policy, prompt_len: int, seen: int, budget: int) -> set[int]:
+    """The logical positions ``policy`` promises to keep after a step, from its own rule (METHOD.md)."""
+    if policy.protects_prompt:
+        return set(range(prompt_len)) | set(range(max(prompt_len, seen - policy.recent), seen))
+    if isinstance(policy, (Streaming, H2O)):
+        recent = budget - policy.sinks if isinstance(policy, Streaming) else policy.recent
+        return set(range(min(policy.sinks, seen))) | set(range(max(0, seen - recent), seen))
+    if isinstance(policy, RKV):
+        return set(range(max(0, seen - policy.window), seen))
+    return {seen - 1}  # TOVA keeps the newest token
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(sorted(name for name, cls in POLICIES.items() if cls.evicts)),
+    prompt_len=st.integers(1, 40),
+    extra=st.integers(0, 30),
+    new_tokens=st.integers(1, 220),
+)
+def test_every_policy_keeps_its_budget_and_its_promises(tokenizer, policy, prompt_len, extra, new_tokens):
+    """stored <= K (+ R-KV's 128 between compressions) after every step, and nothing protected ever leaves."""
+    cls = POLICIES[policy]
+    probe = make_policy(CacheSettings(budget=64, policy=policy))
+    budget = (probe.min_budget(prompt_len) if cls.protects_prompt else probe.min_budget(0)) + extra
+    settings_ = CacheSettings(budget=budget, policy=policy, seed=new_tokens)
+    ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    run = Generation(MODEL, tokenizer, ids, settings_, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))
+    policy_ = make_policy(settings_)  # the same rule the run follows
+    gone: set[int] = set()
+    for event in run:
+        assert event.stored <= budget + cls.slack
+        assert not set(event.evicted) & gone, "a position was evicted twice"
+        gone.update(event.evicted)
+        assert not gone & protected(policy_, prompt_len, event.seen, budget), "a protected token was evicted"
+        assert event.stored == event.seen - len(gone)
+    assert run.result.peak_stored <= max(prompt_len, budget + 1 + cls.slack)  # a long prompt may overfill at prefill

@@ -82,8 +82,9 @@ def smallest_budget_by_search(prompt_len: int, recent_for) -> int:
 def test_min_budget_is_the_smallest_that_works(recent):
     settings = CacheSettings(budget=64, policy="epikv", recent=recent)
     policy = make_policy(settings)
+    recent_for = (lambda k: min(128, k // 4)) if recent is None else (lambda k: recent)
     for prompt_len in range(0, 700, 7):
-        expected = smallest_budget_by_search(prompt_len, settings.recent_for)
+        expected = smallest_budget_by_search(prompt_len, recent_for)
         assert policy.min_budget(prompt_len) == expected, prompt_len
         policy.check_budget(prompt_len, expected)
         with pytest.raises(UsageError, match=f"use --budget {expected} or more"):
@@ -94,4 +95,4 @@ def test_default_recent_window_makes_the_old_suggestion_wrong():
     """The bug this replaces: prompt + R(K) + 1 with R taken at the too-small K (32, then 40, then 42)."""
     policy = make_policy(CacheSettings(budget=1, policy="epikv"))
     assert policy.min_budget(31) == 42  # R(42) = 10: 31 + 10 + 1 = 42
-    assert CacheSettings(budget=41).recent_for(41) == 10 and not 41 > 31 + 10
+    assert CacheSettings(budget=41).recent_window == 10 and not 41 > 31 + 10

@@ -9,6 +9,7 @@ import torch
 
 import epikv_cli
 from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Signals
 from epikv_cli.policies.epikv import EpiKV, RollingZScore, default_bands
 
 from conftest import tiny_model
@@ -74,12 +75,12 @@ def test_score_is_signed_sum_of_band_zscores():
     policy = EpiKV(recent=4, bands=((0, 1.0), (1, -1.0)))
     policy.setup(2)
     # prefill: the last prompt token's state is what the first generated token differs from
-    policy.observe({0: hidden([[9, 9], [0, 0]]), 1: hidden([[7, 7], [0, 0]])}, range(0, 2), prompt=True)
-    policy.observe({0: hidden([[3, 4]]), 1: hidden([[1, 0]])}, range(2, 3), prompt=False)
+    policy.observe(Signals(range(0, 2), True, {0: hidden([[9, 9], [0, 0]]), 1: hidden([[7, 7], [0, 0]])}))
+    policy.observe(Signals(range(2, 3), False, {0: hidden([[3, 4]]), 1: hidden([[1, 0]])}))
     first = policy.last[0]
     assert first.changes == pytest.approx((5.0, 1.0))  # ||[3,4]-[0,0]||, ||[1,0]-[0,0]||
     assert first.zscores == (0.0, 0.0) and first.score == 0.0
-    policy.observe({0: hidden([[3, 4]]), 1: hidden([[1, 2]])}, range(3, 4), prompt=False)
+    policy.observe(Signals(range(3, 4), False, {0: hidden([[3, 4]]), 1: hidden([[1, 2]])}))
     second = policy.last[0]
     assert second.changes == pytest.approx((0.0, 2.0))
     # layer 0: [5, 0] -> z = -2.5 / (2.5 + 1e-6); layer 1: [1, 2] -> z = 0.5 / (0.5 + 1e-6); s = z0 - z1
@@ -94,10 +95,10 @@ def test_multi_token_forward_scores_like_single_steps():
     many = EpiKV(recent=1, bands=((0, 1.0),))
     for p in (one, many):
         p.setup(1)
-        p.observe({0: hidden([rows[0]])}, range(0, 1), prompt=True)
+        p.observe(Signals(range(0, 1), True, {0: hidden([rows[0]])}))
     for i in range(1, 6):
-        one.observe({0: hidden([rows[i]])}, range(i, i + 1), prompt=False)
-    many.observe({0: hidden(rows[1:])}, range(1, 6), prompt=False)
+        one.observe(Signals(range(i, i + 1), False, {0: hidden([rows[i]])}))
+    many.observe(Signals(range(1, 6), False, {0: hidden(rows[1:])}))
     for position in range(1, 6):
         assert many.score_of(position) == pytest.approx(one.score_of(position), abs=1e-9)
 

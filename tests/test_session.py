@@ -19,7 +19,7 @@ def test_generate_under_a_budget():
     with epikv_cli.attach(MODEL, budget=40, recent=8) as cache:
         out = MODEL.generate(IDS, cache=cache, max_new_tokens=100, **GEN)
         assert out.shape[1] == 110
-        assert cache.stored == 40 and cache.peak_stored == 40
+        assert cache.stored == 40 and cache.peak_stored == 41
         assert cache.evicted_total == 109 - 40
         live = set(cache.live_positions().tolist())
         assert set(range(10)) <= live and set(range(109 - 8, 109)) <= live

@@ -10,13 +10,17 @@ from typing import TYPE_CHECKING
 from .base import Policy
 from .baselines import FullCache, RandomEviction, Streaming
 from .epikv import EpiKV
+from .h2o import H2O
+from .knorm import KeyNorm
 from .lagkv import LagKV
+from .rkv import RKV
+from .tova import TOVA
 
 if TYPE_CHECKING:
     from ..settings import CacheSettings
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (EpiKV, LagKV, Streaming, RandomEviction, FullCache)
+    cls.name: cls for cls in (EpiKV, LagKV, Streaming, RandomEviction, FullCache, H2O, TOVA, RKV, KeyNorm)
 }
 
 
@@ -27,4 +31,7 @@ def make_policy(settings: CacheSettings) -> Policy:
     return policy
 
 
-__all__ = ["POLICIES", "Policy", "make_policy", "EpiKV", "LagKV", "Streaming", "RandomEviction", "FullCache"]
+__all__ = [
+    "POLICIES", "Policy", "make_policy", "EpiKV", "LagKV", "Streaming", "RandomEviction", "FullCache", "H2O", "TOVA",
+    "RKV", "KeyNorm",
+]

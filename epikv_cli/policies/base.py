@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -11,8 +12,28 @@ from ..errors import UsageError
 from ..settings import default_recent
 
 if TYPE_CHECKING:
+    from ..attention import AttentionNeeds, AttentionRecord
     from ..cache import BudgetCache
     from ..settings import CacheSettings
+
+
+@dataclass
+class Signals:
+    """What one forward shows a policy, before anything is evicted.
+
+    Attributes:
+        appended: logical positions of the tokens this forward appended (``q`` of them).
+        prompt: True for the prefill.
+        hidden: block index -> that block's output ``[1, q, hidden]`` (the layers of :meth:`Policy.tap_layers`).
+        attention: what :attr:`Policy.attention_needs` asked for, per evicting layer (slot-indexed).
+        cache: the cache, the new tokens in its last ``q`` live slots.
+    """
+
+    appended: range
+    prompt: bool
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: AttentionRecord | None = None
+    cache: BudgetCache | None = None
 
 
 class Policy(ABC):
@@ -24,6 +45,8 @@ class Policy(ABC):
         has_scores: True when each token gets a frozen score worth plotting.
         protects_prompt: True when prompt tokens and the recent window are never evicted.
         uses_recent: False when the policy has no recent window, so ``--recent`` means nothing to it.
+        attention_needs: what the policy reads from attention (None: nothing, it runs on any kernel).
+        slack: entries the cache may hold beyond K between evictions (R-KV compresses in batches).
 
     Instance attributes:
         recent: R, the recent window in force.
@@ -35,6 +58,8 @@ class Policy(ABC):
     has_scores: ClassVar[bool] = False
     protects_prompt: ClassVar[bool] = True
     uses_recent: ClassVar[bool] = True
+    attention_needs: ClassVar[AttentionNeeds | None] = None
+    slack: ClassVar[int] = 0
     recent: int = 0
     recent_follows_budget: bool = False
 
@@ -50,9 +75,20 @@ class Policy(ABC):
         """Decoder blocks whose outputs :meth:`observe` needs."""
         return []
 
-    def observe(self, hidden: dict[int, torch.Tensor], appended: range, prompt: bool) -> None:
-        """See one forward: ``hidden[layer]`` is that block's output ``[1, q, hidden]`` for the
-        ``q = len(appended)`` tokens at logical positions ``appended``; ``prompt`` marks the prefill."""
+    @staticmethod
+    def default_recent(budget: int) -> int:
+        """R when ``--recent`` is not given: ``min(128, K // 4)`` (METHOD.md)."""
+        return default_recent(budget)
+
+    @classmethod
+    def recent_from(cls, settings: CacheSettings) -> int:
+        """R for these settings: ``--recent``, else this policy's default for the budget."""
+        if settings.recent is not None:
+            return settings.recent
+        return cls.default_recent(settings.budget) if settings.budget is not None else 0
+
+    def observe(self, signals: Signals) -> None:
+        """See one forward (scores, accumulators); the cache is not yet brought back within budget."""
 
     @abstractmethod
     def select(self, cache: BudgetCache, count: int) -> list[int]:
@@ -60,7 +96,7 @@ class Policy(ABC):
 
     def recent_for(self, budget: int) -> int:
         """R under a budget of ``budget`` tokens (the default window grows with K)."""
-        return default_recent(budget) if self.recent_follows_budget else self.recent
+        return self.default_recent(budget) if self.recent_follows_budget else self.recent
 
     def min_budget(self, prompt_len: int) -> int:
         """Smallest K with K > prompt + R(K): room for the prompt, the recent window and one new token.

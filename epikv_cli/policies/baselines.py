@@ -69,7 +69,7 @@ class RandomEviction(Policy):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> RandomEviction:
-        return cls(recent=settings.recent_window, seed=settings.seed)
+        return cls(recent=cls.recent_from(settings), seed=settings.seed)
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import UsageError
 from ..settings import ZSCORE_EPS, ZSCORE_WINDOW, CacheSettings
+from .base import Signals
 from .keep_scored import ScoredPolicy
 
 #: Paper bands on a 32-layer model: (10, +1) and (21, -1); other depths use the same fractions.
@@ -93,7 +94,7 @@ class EpiKV(ScoredPolicy):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV:
-        return cls(recent=settings.recent_window, bands=settings.bands)
+        return cls(recent=cls.recent_from(settings), bands=settings.bands)
 
     def setup(self, num_layers: int) -> None:
         pairs = self.requested_bands or default_bands(num_layers)
@@ -107,7 +108,8 @@ class EpiKV(ScoredPolicy):
     def tap_layers(self) -> list[int]:
         return sorted({band.layer for band in self.bands})
 
-    def observe(self, hidden: dict[int, torch.Tensor], appended: range, prompt: bool) -> None:
+    def observe(self, signals: Signals) -> None:
+        hidden, appended, prompt = signals.hidden, signals.appended, signals.prompt
         self.last = []
         if prompt:
             for band in self.bands:

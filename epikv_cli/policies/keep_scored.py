@@ -23,12 +23,23 @@ class ScoreBook:
     def __init__(self, capacity: int = 1024) -> None:
         self._scores = torch.full((capacity,), math.nan, dtype=torch.float64)
 
-    def set(self, position: int, score: float) -> None:
-        if position >= self._scores.numel():
-            grown = torch.full((max(position + 1, 2 * self._scores.numel()),), math.nan, dtype=torch.float64)
+    def _reserve(self, end: int) -> None:
+        if end > self._scores.numel():
+            grown = torch.full((max(end, 2 * self._scores.numel()),), math.nan, dtype=torch.float64)
             grown[: self._scores.numel()] = self._scores
             self._scores = grown
+
+    def set(self, position: int, score: float) -> None:
+        self._reserve(position + 1)
         self._scores[position] = score
+
+    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Accumulate ``values[i]`` onto the score of ``positions[i]`` (unscored counts as 0)."""
+        if not positions.numel():
+            return
+        self._reserve(int(positions.max()) + 1)
+        current = self._scores[positions]
+        self._scores[positions] = torch.nan_to_num(current, nan=0.0) + values.to(torch.float64)
 
     def get(self, position: int) -> float | None:
         if position >= self._scores.numel():

@@ -77,7 +77,7 @@ class LagKV(Policy):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> LagKV:
-        return cls(recent=settings.recent_window)
+        return cls(recent=cls.recent_from(settings))
 
     def token_scores(self, cache: BudgetCache) -> torch.Tensor:
         """``[stored]`` Lag-KV scores of the live slots, in slot order."""

@@ -1,0 +1,207 @@
+"""Attention taps: what attention-based policies need, read beside any attention kernel.
+
+Attention weights are never materialised by SDPA or FlashAttention kernels. Instead of switching the
+whole model to eager attention, a session that needs them registers, through transformers'
+``AttentionInterface``, a function ``epikv_taps+<kernel>`` that calls the model's own kernel for the
+output and computes, on the side and only for the evicting layers, the softmax rows of the queries
+of this forward (chunked over queries at prefill, so memory stays O(chunk x length)). With eager
+attention the kernel returns the weights itself and they are used as they are. The model's kernel
+setting is restored when the session ends; nothing global is patched (new names are registered).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .taps import decoder_blocks
+
+TAP_PREFIX = "epikv_taps+"
+#: Query rows whose weights are computed at once at prefill: memory is O(QUERY_CHUNK x length) per layer.
+QUERY_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a policy reads from attention.
+
+    Attributes:
+        received: per key, the attention it receives from this forward's queries (summed over them).
+        last_row: per key, the attention of this forward's last query.
+        queries: keep each layer's last ``queries`` query vectors (after RoPE) across forwards.
+    """
+
+    received: bool = False
+    last_row: bool = False
+    queries: int = 0
+
+    @property
+    def weights(self) -> bool:
+        return self.received or self.last_row
+
+
+@dataclass
+class AttentionRecord:
+    """Per evicting layer, what the latest forward's attention showed. Key index ``j`` is cache slot ``j``.
+
+    Attributes:
+        received: layer -> ``[kv_len]`` float32, attention received, summed over this forward's
+            queries, mean over query heads.
+        last_row: layer -> ``[kv_len]`` float32, the last query's attention, mean over query heads.
+        queries: layer -> ``[heads, <= N, head_dim]``, the last N query vectors (kept across forwards).
+    """
+
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    last_row: dict[int, torch.Tensor] = field(default_factory=dict)
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def layer_mean(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``[kv_len]`` float32 on the CPU: the mean over layers of slot-indexed vectors."""
+        return torch.stack([vector.float().cpu() for vector in per_layer.values()]).mean(dim=0)
+
+    def clear_forward(self) -> None:
+        """Drop what belongs to one forward only (queries persist)."""
+        self.received.clear()
+        self.last_row.clear()
+
+
+def attention_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    rows: slice,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of some query rows, in float32.
+
+    Args:
+        query: ``[1, heads, q, dim]``; key: ``[1, kv_heads, n, dim]`` (grouped-query attention allowed).
+        attention_mask: ``[1, 1, q, n]`` boolean (True attends) or additive float, or None (causal
+            when q > 1: query i sees keys up to ``n - q + i``).
+        rows: which of the q query rows.
+    Returns:
+        ``[heads, r, n]`` attention weights of those rows.
+    """
+    heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads, n = key.shape[1], key.shape[2]
+    q = query[0, :, rows].float()
+    r = q.shape[1]
+    grouped = q.view(kv_heads, heads // kv_heads, r, dim)
+    scores = torch.matmul(grouped, key[0].float().unsqueeze(1).transpose(-1, -2)).view(heads, r, n) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[0, :, rows, :n]
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+    elif q_len > 1:
+        first = rows.start or 0
+        visible = torch.arange(n, device=key.device)[None, :] <= (n - q_len + first + torch.arange(r, device=key.device))[:, None]
+        scores = scores.masked_fill(~visible, -math.inf)
+    return torch.softmax(scores, dim=-1)
+
+
+class AttentionTaps:
+    """While active, the model's evicting layers report their attention into :attr:`record`.
+
+    Args:
+        model: a loaded causal LM.
+        layers: the decoder blocks to read (the evicting, full-attention layers).
+        needs: what to compute.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[int], needs: AttentionNeeds) -> None:
+        self.model = model
+        self.needs = needs
+        self.record = AttentionRecord()
+        self.base = model.config._attn_implementation
+        _register(self.base)
+        blocks = decoder_blocks(model)
+        self.modules = [_attention_module(blocks[layer]) for layer in layers]
+        for module in self.modules:
+            module._epikv_attention_tap = self
+        model.set_attn_implementation(TAP_PREFIX + self.base)
+
+    def observe(self, module: nn.Module, query, key, attention_mask, kwargs: dict, weights) -> None:
+        """Called by the tapped kernel after it computed ``module``'s output."""
+        layer = module.layer_idx
+        needs = self.needs
+        if needs.queries:
+            kept = self.record.queries.get(layer)
+            fresh = query[0].detach()
+            joined = fresh if kept is None else torch.cat([kept, fresh], dim=1)
+            self.record.queries[layer] = joined[:, -needs.queries :].clone()
+        if not needs.weights:
+            return
+        q_len = query.shape[2]
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        softcap = kwargs.get("softcap")
+
+        def rows(part: slice) -> torch.Tensor:
+            if weights is not None:
+                return weights[0, :, part].float()
+            return attention_rows(query, key, attention_mask, scaling, part, softcap)
+
+        if needs.last_row:
+            self.record.last_row[layer] = rows(slice(q_len - 1, q_len))[:, 0].mean(dim=0)
+        if needs.received:
+            total = None
+            for start in range(0, q_len, QUERY_CHUNK):
+                part = rows(slice(start, min(start + QUERY_CHUNK, q_len))).sum(dim=1).mean(dim=0)
+                total = part if total is None else total + part
+            self.record.received[layer] = total
+
+    def remove(self) -> None:
+        """Give the model its own kernel back and stop recording."""
+        for module in self.modules:
+            if getattr(module, "_epikv_attention_tap", None) is self:
+                del module._epikv_attention_tap
+        if self.model.config._attn_implementation == TAP_PREFIX + self.base:
+            self.model.set_attn_implementation(self.base)
+        self.record = AttentionRecord()
+
+
+def _attention_module(block: nn.Module) -> nn.Module:
+    """The attention submodule of a decoder block (the one carrying ``layer_idx``)."""
+    for module in block.modules():
+        if module is not block and hasattr(module, "layer_idx") and "Attention" in type(module).__name__:
+            return module
+    raise ValueError(f"cannot find the attention module of {type(block).__name__}")
+
+
+def _delegate(base: str, module: nn.Module):
+    """The kernel the model would have used: a registered one, or its own eager function."""
+    if base == "eager":
+        own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if own is None:
+            raise ValueError(f"{type(module).__name__} has no eager attention function to tap")
+        return own
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _tapped(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        output, weights = _delegate(base, module)(module, query, key, value, attention_mask, **kwargs)
+        tap = getattr(module, "_epikv_attention_tap", None)
+        if tap is not None:
+            tap.observe(module, query, key, attention_mask, kwargs, weights)
+        return output, weights
+
+    return attention
+
+
+def _register(base: str) -> None:
+    """Register ``epikv_taps+<base>`` (kernel and mask) once."""
+    name = TAP_PREFIX + base
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return
+    AttentionInterface.register(name, _tapped(base))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])

@@ -1,0 +1,77 @@
+"""H2O, Heavy-Hitter Oracle (Zhang et al., arXiv 2306.14048), as the EpiKV authors ran it.
+
+Each cached token accumulates the attention it receives: at prefill the column sums over all prompt
+queries, then at every step the new query's row, each averaged over heads and evicting layers.
+Kept: the first 4 tokens (sinks), the most recent ``min(128, K - 4)`` tokens, then the highest
+accumulated scores. The prompt is not protected. (The original is per layer and per head with a
+50/50 heavy/recent split; this is the global keep-set variant of METHOD.md.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention import AttentionNeeds, AttentionRecord
+from ..settings import CacheSettings
+from .base import Policy, Signals, lowest
+from .keep_scored import ScoreBook
+
+if TYPE_CHECKING:
+    from ..cache import BudgetCache
+
+SINKS = 4
+
+
+class H2O(Policy):
+    """Accumulated received attention; needs attention weights (computed beside SDPA/flash kernels)."""
+
+    name = "h2o"
+    protects_prompt = False
+    has_scores = False
+    attention_needs = AttentionNeeds(received=True)
+
+    def __init__(self, recent: int, sinks: int = SINKS) -> None:
+        self.recent = recent
+        self.sinks = sinks
+        self.accumulated = ScoreBook()
+
+    @staticmethod
+    def default_recent(budget: int) -> int:
+        """``min(128, K - 4)``: the authors' recent window."""
+        return max(0, min(128, budget - SINKS))
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> H2O:
+        return cls(recent=cls.recent_from(settings))
+
+    def observe(self, signals: Signals) -> None:
+        received = AttentionRecord.layer_mean(signals.attention.received)  # [stored], slot order
+        self.accumulated.add(signals.cache.live_positions(), received)
+
+    def min_budget(self, prompt_len: int) -> int:
+        """Smallest K that leaves one evictable entry after a step: K >= sinks + R(K) (and K > sinks).
+
+        With the default R = min(128, K - 4) that is 5; below K = 133 no heavy hitter fits, so H2O
+        then keeps exactly what StreamingLLM keeps.
+        """
+        budget = self.sinks + 1
+        while budget < (needed := self.sinks + self.recent_for(budget)):
+            budget = needed
+        return budget
+
+    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
+        return (
+            f"--budget {budget} is too small for h2o, which keeps {self.sinks} sink tokens and a "
+            f"{self.recent_for(budget)}-token recent window; use --budget {needed} or more, or a smaller --recent"
+        )
+
+    def candidates(self, positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """``[n]`` bool: neither a sink nor in the recent window."""
+        return (positions >= self.sinks) & (positions < seen - self.recent)
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        scores = torch.nan_to_num(self.accumulated.gather(positions), nan=0.0)
+        return lowest(scores, positions, self.candidates(positions, cache.seen), count)

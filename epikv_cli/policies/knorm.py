@@ -1,0 +1,40 @@
+"""Key norm (Devoto et al., arXiv 2406.11430; kvpress's KnormPress): keys with a small L2 norm draw
+the most attention, so the tokens whose keys are largest leave first.
+
+Score of a token = minus the L2 norm of its key, averaged over KV heads and evicting layers, computed
+once when the token is appended (cached keys never change). Attention-free; same protection as
+EpiKV-Flat (prompt and recent window kept).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..settings import CacheSettings
+from .base import Signals
+from .keep_scored import ScoredPolicy
+
+
+class KeyNorm(ScoredPolicy):
+    """Evict the largest mean key norm."""
+
+    name = "knorm"
+    has_scores = False  # the panel's sparkline is for epiphany scores
+
+    def __init__(self, recent: int) -> None:
+        super().__init__()
+        self.recent = recent
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> KeyNorm:
+        return cls(recent=cls.recent_from(settings))
+
+    def observe(self, signals: Signals) -> None:
+        cache, count = signals.cache, len(signals.appended)
+        norms = [
+            layer.live()[0][0, :, -count:].float().norm(dim=-1).mean(dim=0).cpu()  # [count]
+            for layer in cache.budget_layers
+        ]
+        scores = -torch.stack(norms).mean(dim=0)
+        for position, score in zip(signals.appended, scores.tolist()):
+            self.book.set(position, score)
