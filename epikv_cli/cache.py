@@ -198,7 +198,7 @@ class BudgetCache(Cache):
         compressed_positions: report ``stored`` instead of ``seen`` as the next position.
         slack: entries a policy may keep beyond K between evictions (R-KV: 128).
 
-    Each evicting layer allocates slots as it fills, up to ``budget + 1 + slack`` (the step that
+    Each evicting layer allocates slots as it fills, up to ``budget + max(1, slack)`` (the step that
     appends a token attends over K + 1 entries before the keep-set brings it back to K, as in the
     paper) and never beyond ``max_tokens``. :attr:`peak_stored` is that in-step peak.
     """
@@ -213,7 +213,7 @@ class BudgetCache(Cache):
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        limits = [n for n in (budget + 1 + slack if budget is not None else None, max_tokens) if n is not None]
+        limits = [n for n in (budget + max(1, slack) if budget is not None else None, max_tokens) if n is not None]
         limit = min(limits) if limits else None
         self.budget = budget
         self.compressed_positions = compressed_positions

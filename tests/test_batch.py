@@ -352,3 +352,13 @@ def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path)
     write(prompts, [json.dumps({"id": "tight", "prompt": "y" * 60, "budget": suggested - 1})])
     assert run(tiny_model_dir, prompts, out, "--overwrite").exit_code == 1
     assert f"use --budget {suggested} or more" in records(out)[0]["error"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])
+def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy):
+    prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 150}) for i in range(2)])
+    out = tmp_path / "out.jsonl"
+    result = run(tiny_model_dir, prompts, out, "--policy", policy)
+    assert result.exit_code == 0, result.stderr
+    rows = records(out)
+    assert [r["stats"]["policy"] for r in rows] == [policy, policy] and all(r["stats"]["evicted"] > 0 for r in rows)

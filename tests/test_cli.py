@@ -78,11 +78,13 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
     assert plain == 5 and chat == plain + 3 and system == chat + len("Be brief.") + 2
 
 
-def test_lagkv_and_bands_run(tiny_model_dir):
-    for extra in (["--policy", "lagkv"], ["--bands", "0:+1,3:-1"], ["--positions", "compressed"]):
-        result = invoke("generate", "--model", str(tiny_model_dir), "-n", "30", "-b", "24", "--json", "--ignore-eos", *extra, "hi")
-        assert result.exit_code == 0, (extra, result.stderr)
-        assert json.loads(result.stdout)["evicted"] > 0
+@pytest.mark.parametrize(
+    "extra", [["--bands", "0:+1,3:-1"], ["--positions", "compressed"], *(["--policy", name] for name in sorted(POLICIES) if name != "full")]
+)
+def test_every_policy_and_mode_runs(tiny_model_dir, extra):
+    result = invoke("generate", "--model", str(tiny_model_dir), "-n", "160", "-b", "24", "--json", "--ignore-eos", *extra, "hi")
+    assert result.exit_code == 0, (extra, result.stderr)
+    assert json.loads(result.stdout)["evicted"] > 0
 
 
 @pytest.mark.parametrize(

@@ -80,3 +80,14 @@ def test_models_with_only_sliding_layers_are_refused():
             pass
     with epikv_cli.attach(mistral, budget=None, policy="full") as cache:
         mistral.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])
+def test_baselines_run_under_plain_generate(policy):
+    kernel = MODEL.config._attn_implementation
+    with epikv_cli.attach(MODEL, budget=24, policy=policy) as cache:
+        out = MODEL.generate(IDS, cache=cache, max_new_tokens=200, **GEN)
+    assert out.shape[1] == 210
+    assert cache.evicted_total >= 209 - 24 - cache.policy.slack
+    assert cache.peak_stored == 24 + max(1, cache.policy.slack)  # K + 1 in a step; R-KV compresses at K + 128
+    assert MODEL.config._attn_implementation == kernel  # the tapped kernel is gone with the session

@@ -1,0 +1,71 @@
+"""Attention taps: weights computed beside SDPA equal eager attention's; the model is left as it was."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from epikv_cli.attention import AttentionNeeds, AttentionTaps, attention_rows
+
+from conftest import tiny_model
+
+
+def reference_rows(query, key, mask):
+    """Plain softmax(q k^T / sqrt(d) + mask) with the key heads repeated, row by row."""
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+    keys = key[0].repeat_interleave(heads // kv_heads, dim=0)
+    scores = query[0] @ keys.transpose(-1, -2) / math.sqrt(dim) + mask
+    return torch.softmax(scores, dim=-1)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_rows_match_plain_softmax_for_every_mask_form(kv_heads):
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 4, 5, 8), torch.randn(1, kv_heads, 9, 8)
+    causal = torch.zeros(5, 9).masked_fill(torch.arange(9)[None] > torch.arange(4, 9)[:, None], -math.inf)
+    expected = reference_rows(query, key, causal)
+    as_bool = (causal == 0)[None, None]
+    for mask in (None, as_bool, causal[None, None]):  # None: causal from the shapes
+        got = attention_rows(query, key, mask, 8**-0.5, slice(1, 4))
+        assert torch.allclose(got, expected[:, 1:4], atol=1e-6)
+
+
+def run_taps(model, ids, needs):
+    layers = list(range(model.config.num_hidden_layers))
+    taps = AttentionTaps(model, layers, needs)
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+        return logits, taps.record
+    finally:
+        taps.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_taps_beside_sdpa_equal_eager_weights(arch):
+    model = tiny_model(arch, seed=2)
+    ids = torch.randint(0, 256, (1, 300))  # more rows than one query chunk
+    with torch.no_grad():
+        plain = model(ids).logits
+    logits, record = run_taps(model, ids, AttentionNeeds(received=True, last_row=True, queries=8))
+    assert torch.equal(logits, plain)  # the output is the kernel's own
+    assert model.config._attn_implementation == "sdpa"  # restored
+    eager = tiny_model(arch, seed=2, _attn_implementation="eager")
+    with torch.no_grad():
+        weights = eager(ids, output_attentions=True).attentions  # per layer [1, heads, q, n]
+    for layer, w in enumerate(weights):
+        assert torch.allclose(record.received[layer], w[0].sum(dim=1).mean(dim=0), atol=1e-4)
+        assert torch.allclose(record.last_row[layer], w[0, :, -1].mean(dim=0), atol=1e-6)
+        assert record.queries[layer].shape == (model.config.num_attention_heads, 8, 8)  # [heads, last 8, head_dim]
+
+
+def test_eager_kernel_weights_are_used_as_they_are():
+    model = tiny_model("llama", seed=2, _attn_implementation="eager")
+    ids = torch.randint(0, 256, (1, 12))
+    _, record = run_taps(model, ids, AttentionNeeds(last_row=True))
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions
+    assert model.config._attn_implementation == "eager"
+    assert all(torch.equal(record.last_row[i], w[0, :, -1].float().mean(dim=0)) for i, w in enumerate(weights))

@@ -1,0 +1,105 @@
+"""The keep rules of h2o, tova, rkv and knorm on hand-made attention, queries and keys."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from epikv_cli.attention import AttentionRecord
+from epikv_cli.cache import BudgetCache
+from epikv_cli.errors import UsageError
+from epikv_cli.policies import make_policy
+from epikv_cli.policies.base import Signals
+from epikv_cli.policies.h2o import H2O
+from epikv_cli.policies.knorm import KeyNorm
+from epikv_cli.policies.rkv import importance, redundancy
+from epikv_cli.policies.tova import TOVA
+from epikv_cli.settings import CacheSettings
+
+from conftest import ARCHITECTURES
+
+
+def fake_cache(positions, seen, prompt_len=0):
+    positions = torch.tensor(positions)
+    return SimpleNamespace(live_positions=lambda: positions, seen=seen, prompt_len=prompt_len)
+
+
+def record(kind, *per_layer):
+    return AttentionRecord(**{kind: {i: torch.tensor(v, dtype=torch.float32) for i, v in enumerate(per_layer)}})
+
+
+def test_h2o_accumulates_received_attention_by_position_across_slot_moves():
+    policy = H2O(recent=2)
+    cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7], seen=8)
+    # two layers; their mean is what accumulates
+    policy.observe(Signals(range(0, 8), True, attention=record("received", [0, 0, 0, 0, 4, 1, 3, 0], [0, 0, 0, 0, 2, 1, 1, 0]), cache=cache))
+    # slot 4 now holds position 8 (position 4's slot reused), positions otherwise in place
+    cache = fake_cache([0, 1, 2, 3, 8, 5, 6, 7], seen=9)
+    policy.observe(Signals(range(8, 9), False, attention=record("received", [0, 0, 0, 0, 0, 5, 0, 0]), cache=cache))
+    # accumulated: 5 -> 1 + 5 = 6, 6 -> 2; sinks 0-3 and recent 7, 8 are kept
+    assert policy.select(cache, 1) == [6]  # position 6 (2.0) before position 5 (6.0)
+    assert policy.select(cache, 2) == [6, 5]
+    with pytest.raises(RuntimeError, match="only 2 are evictable"):
+        policy.select(cache, 3)
+
+
+def test_h2o_default_recent_window_is_the_authors():
+    policy = make_policy(CacheSettings(budget=100, policy="h2o"))
+    assert policy.recent == 96 and policy.sinks == 4
+    assert make_policy(CacheSettings(budget=4096, policy="h2o")).recent == 128
+    assert policy.min_budget(500) == 5  # the prompt is not protected
+    with pytest.raises(UsageError, match="too small for h2o.*use --budget 24 or more"):
+        make_policy(CacheSettings(budget=10, policy="h2o", recent=20)).check_budget(3, 10)
+
+
+def test_tova_evicts_the_least_attended_and_keeps_the_newest():
+    policy = TOVA()
+    cache = fake_cache([3, 0, 5, 1, 4], seen=6)  # slot order scrambled; position 5 is the newest
+    policy.observe(Signals(range(5, 6), False, attention=record("last_row", [0.1, 0.5, 0.0, 0.3, 0.1], [0.1, 0.3, 0.0, 0.1, 0.5])))
+    # means per slot: [0.1, 0.4, 0.0, 0.2, 0.3]; slot 2 (the newest) has the least but is kept
+    assert policy.select(cache, 1) == [0]
+    assert policy.select(cache, 2) == [0, 3]
+
+
+def test_rkv_importance_by_hand():
+    query = torch.tensor([[[1.0, 0.0]]])  # [heads 1, w 1, dim 2]
+    keys = torch.tensor([[[2.0, 0.0], [0.0, 0.0], [0.0, 2.0], [1.0, 1.0]]])  # [kv_heads 1, n 4, dim 2]
+    logits = torch.tensor([2.0, 0.0, 0.0]) / math.sqrt(2)  # the past: all but the last (window 1)
+    soft = torch.softmax(logits, dim=0)
+    pooled = torch.tensor([max(soft[0], soft[1]), soft.max(), max(soft[1], soft[2])])  # kernel 3
+    assert torch.allclose(importance(query, keys, window=1, kernel=3)[0], pooled)
+
+
+def test_rkv_redundancy_keeps_the_latest_copy():
+    keys = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])  # three copies, then another key
+    # row i drops itself and its latest look-alike: rows 0, 1 keep their similarity to the other copies
+    # 0 -> {1}, 1 -> {0}, 2 -> {0}; column means over the 4 rows: [2/4, 1/4, 0, 0]
+    expected = torch.softmax(torch.tensor([0.5, 0.25, 0.0, 0.0]), dim=0)
+    assert torch.allclose(redundancy(keys)[0], expected, atol=1e-6)
+
+
+def states(values, heads=2, dim=4):
+    """[1, heads, n, dim] keys whose row t has every entry equal to values[t]."""
+    v = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1)
+    return v.expand(1, heads, -1, dim).clone(), torch.zeros(1, heads, len(values), dim)
+
+
+def test_knorm_scores_minus_the_mean_key_norm_and_evicts_the_largest():
+    config = ARCHITECTURES["llama"]()
+    cache = BudgetCache(config, budget=6)
+    values = [1.0, 1.0, 3.0, 0.5, 2.0, 1.0, 0.2]  # position 0 is the prompt
+    for layer in range(config.num_hidden_layers):
+        cache.update(*states(values[:1]), layer)
+    cache.commit()
+    policy = KeyNorm(recent=1)
+    policy.observe(Signals(range(0, 1), True, cache=cache))
+    for t in range(1, len(values)):
+        for layer in range(config.num_hidden_layers):
+            cache.update(*states([values[t]]), layer)
+        policy.observe(Signals(cache.commit(), False, cache=cache))
+    assert policy.score_of(2) == pytest.approx(-3.0 * 2)  # norm of [3, 3, 3, 3]
+    # evictable: positions 1..5 (0 is the prompt, 6 the recent window); largest norms first: 2 (3.0), 4 (2.0)
+    assert policy.select(cache, 2) == [2, 4]
