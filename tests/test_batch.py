@@ -356,7 +356,7 @@ def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])
 def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy):
-    prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 150}) for i in range(2)])
+    prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 200}) for i in range(2)])
     out = tmp_path / "out.jsonl"
     result = run(tiny_model_dir, prompts, out, "--policy", policy)
     assert result.exit_code == 0, result.stderr
