@@ -76,6 +76,8 @@ class GenerationResult:
     peak_memory_bytes: int
     peak_memory_kind: str
     kv_cache_bytes: int
+    prefill_peak_memory_bytes: int = 0
+    decode_peak_memory_bytes: int = 0
     token_ids: list[int] = field(repr=False, default_factory=list)
 
     def to_dict(self) -> dict:
@@ -207,12 +209,15 @@ class Generation:
         generated = 0
         start = time.perf_counter()
         prefill_seconds = 0.0
+        prefill_memory = None
         reset_peak(device)
 
         with EpiKVSession(model, self.cache_settings, max_tokens=total) as session:
             session.policy.check_budget(prompt_len, session.cache.budget)
             try:
                 logits = self._forward(session, prompt)
+                prefill_memory = peak_memory(device)[0]
+                reset_peak(device)  # the decode peak is measured on its own
                 for index in range(sampling.max_new_tokens):
                     scores = processors(sequence.ids, logits.float().unsqueeze(0))
                     if sampling.greedy:
@@ -252,13 +257,15 @@ class Generation:
                         break
                     logits = self._forward(session, token.view(1, 1).to(device))
             finally:
-                self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device)
+                self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory)
 
-    def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device):
+    def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory):
         elapsed = time.perf_counter() - start
         decode_seconds = max(elapsed - prefill_seconds, 0.0) if generated else 0.0
         token_ids = sequence.ids[0, prompt_len:].tolist()
         memory, kind = peak_memory(device)
+        if prefill_memory is None:  # stopped inside the prefill: all of it was prefill
+            prefill_memory, memory = memory, 0
         self.tail_text = detok.flush()
         self.result = GenerationResult(
             text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
@@ -272,8 +279,10 @@ class Generation:
             prefill_seconds=round(prefill_seconds, 6),
             decode_seconds=round(decode_seconds, 6),
             decode_tokens_per_s=round((generated - 1) / decode_seconds, 3) if generated > 1 and decode_seconds else None,
-            peak_memory_bytes=memory,
+            peak_memory_bytes=max(prefill_memory, memory),
             peak_memory_kind=kind,
             kv_cache_bytes=session.cache.kv_bytes(),
+            prefill_peak_memory_bytes=prefill_memory,
+            decode_peak_memory_bytes=memory,
             token_ids=token_ids,
         )

@@ -1,25 +1,56 @@
-"""Peak memory: the CUDA allocator's peak on GPUs, the process's peak RSS elsewhere."""
+"""Peak memory per phase: the CUDA allocator's peak on GPUs, the process's peak RSS elsewhere.
+
+On Linux the RSS peak is resettable (writing 5 to ``/proc/self/clear_refs`` resets ``VmHWM``), so
+prefill and decode are measured apart and a batch's later prompts do not inherit the model load's
+peak. Where that is impossible the process-lifetime peak (``ru_maxrss``) is reported under its own
+name, ``process_rss_lifetime``.
+"""
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_HWM = re.compile(r"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
+
+
+def _rss_peak_resettable() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+        return _HWM.search(_STATUS.read_text()) is not None
+    except OSError:
+        return False
+
+
+_RESETTABLE = _rss_peak_resettable()
+
 
 def reset_peak(device: torch.device) -> None:
-    """Start a new peak window (CUDA only: the RSS peak of a process cannot be reset)."""
+    """Start a new peak window: the CUDA allocator's peak, or (Linux) the process's RSS high-water mark."""
     if device.type == "cuda":
         for index in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(index)
+    elif _RESETTABLE:
+        _CLEAR_REFS.write_text("5")
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
-    """``(bytes, kind)``: ``cuda_allocated`` peak since :func:`reset_peak`, summed over the GPUs (a model
-    spread by ``--device-map`` uses several), or the process's ``process_rss`` peak."""
+    """``(bytes, kind)`` since the last :func:`reset_peak`.
+
+    ``cuda_allocated``: the allocator's peak summed over the GPUs (a model spread by ``--device-map``
+    uses several); ``process_rss``: the RSS high-water mark; ``process_rss_lifetime``: the
+    process-lifetime peak, where the high-water mark cannot be reset.
+    """
     if device.type == "cuda":
         total = sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
         return int(total), "cuda_allocated"
+    if _RESETTABLE:
+        return int(_HWM.search(_STATUS.read_text()).group(1)) * 1024, "process_rss"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "process_rss"
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process_rss_lifetime"
