@@ -2,7 +2,7 @@
 _epikv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i
     for ((i = 1; i < COMP_CWORD; i++)); do
-        case "${COMP_WORDS[i]}" in generate) sub="${COMP_WORDS[i]}"; break ;; esac
+        case "${COMP_WORDS[i]}" in generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
     done
     case "$sub" in
     generate)
@@ -28,7 +28,24 @@ _epikv() {
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         esac
         COMPREPLY=($(compgen -W "--model -m --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
-    *) COMPREPLY=($(compgen -W "generate --version --install-completion --show-completion --help -h" -- "$cur")) ;;
+    profile)
+        case "$prev" in
+            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
+            --layers) COMPREPLY=(); return ;;
+            --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
+            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
+            --policies) COMPREPLY=(); return ;;
+            --budget|-b) COMPREPLY=(); return ;;
+            --prompt-tokens) COMPREPLY=(); return ;;
+            --new-tokens) COMPREPLY=(); return ;;
+            --repeats) COMPREPLY=(); return ;;
+            --prompt-file) COMPREPLY=(); return ;;
+            --memory-limit) COMPREPLY=(); return ;;
+        esac
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
+    *) COMPREPLY=($(compgen -W "generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }
 complete -F _epikv epikv

@@ -130,6 +130,12 @@ class AttentionTaps:
             module._epikv_attention_tap = self
         model.set_attn_implementation(TAP_PREFIX + self.base)
 
+    @property
+    def returns_weights(self) -> bool:
+        """Eager attention with weights needed: the EpiKV authors' set-up, where the forward is asked
+        for every layer's attention weights (``output_attentions=True``), O(layers x heads x n^2) at prefill."""
+        return self.base == "eager" and self.needs.weights
+
     def observe(self, module: nn.Module, query, key, attention_mask, kwargs: dict, weights) -> None:
         """Called by the tapped kernel after it computed ``module``'s output."""
         layer = module.layer_idx

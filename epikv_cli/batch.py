@@ -38,7 +38,7 @@ from .models import load
 from .prompts import build_input_ids, decode_text, has_chat_template
 from .scaleout import PeerFailed, Ranks
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
-from .ui import batch_progress
+from .ui import progress_bar
 
 STDIN = Path("-")
 
@@ -421,7 +421,7 @@ def run_batch(
             loaded = load(placed, None if quiet else (lambda m: err.print(f"[dim]{m}[/dim]")))
             if prompt_settings.chat_template and not has_chat_template(loaded.tokenizer) and ranks.is_main and not quiet:
                 print(f"epikv: {NO_TEMPLATE_NOTE}", file=sys.stderr, flush=True)
-        with batch_progress(err, disable=quiet or not ranks.is_main) as progress:
+        with progress_bar(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
             for item in mine:
                 result = None

@@ -22,6 +22,8 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
 from .generate import report_nothing_generated, run_generate
 from .helpscreen import render_help
 from .policies import POLICIES
+from .maxcontext import max_context_command
+from .profile import ProfileSettings, profile_command
 from .prompts import decode_text
 from .settings import (
     ATTN_CHOICES,
@@ -35,6 +37,7 @@ from .settings import (
     parse_bands,
     require_finite,
 )
+from .shapes import SHAPES
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
 EXAMPLES = (
@@ -44,6 +47,12 @@ EXAMPLES = (
     ("epikv generate --json -n 64 'Hi' | jq .decode_tokens_per_s", "one JSON object for scripts"),
     ("epikv generate --prompts questions.jsonl --output answers.jsonl --resume", "a batch file, resumable"),
     ("accelerate launch --num_processes 4 -m epikv_cli generate --prompts q.jsonl -o a.jsonl", "the same batch over four processes"),
+)
+#: Shown by `epikv profile --help` and the man page.
+PROFILE_EXAMPLES = (
+    ("epikv profile --policies full,streaming,epikv,h2o --budget 512 --new-tokens 256", "the demo model: speed and memory per policy"),
+    ("epikv profile --shape llama-3.1-8b --layers 4 --policies epikv,h2o@eager --budget 512", "EpiKV against the authors' eager H2O, random 8B-shaped weights"),
+    ("epikv profile --max-context --memory-limit 4GiB --policies h2o,epikv", "the longest prefill each set-up fits in 4 GiB"),
 )
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
@@ -70,6 +79,7 @@ AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
 
 # Option panels of `epikv generate --help`.
 MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = "Model", "Cache and eviction", "Sampling", "Prompt", "Output", "Batch files"
+MAX_CONTEXT = "Max feasible context"
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -276,6 +286,66 @@ def generate(
             model_settings, prompt_settings, cache, sampling, prompt,
             json_output=json_output, quiet=quiet, panel=panel, spike_threshold=spike_threshold,
         )
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))
+def profile(
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
+            help="Local directory, .gguf file, Hub id, or a config.json (random weights). Default: the demo model.",
+        ),
+    ] = None,
+    shape: Annotated[
+        Optional[str],
+        typer.Option(metavar="NAME", rich_help_panel=MODEL, autocompletion=lambda: sorted(SHAPES),
+                     help=f"A known shape with random weights instead of --model: {', '.join(sorted(SHAPES))}."),
+    ] = None,
+    layers: Annotated[Optional[int], typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json.")] = None,
+    device_map: Annotated[
+        str, typer.Option(metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES), help="Accelerate device map.")
+    ] = "auto",
+    dtype: Annotated[DType, typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's; random weights: bfloat16 on CUDA, else float32).")] = DType.auto,
+    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel for every policy (a policy may name its own: h2o@eager).")] = AttnKind.auto,
+    policies: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="P,P,...", rich_help_panel=CACHE,
+            help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own kernel. "
+            "Default: full,streaming,epikv (with --max-context: h2o,epikv).",
+        ),
+    ] = None,
+    budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K for every evicting policy.")] = 512,
+    prompt_tokens: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Prompt length: a bundled passage (or --prompt-file) repeated.")] = 256,
+    new_tokens: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Tokens generated per run (EOS ignored, at least 8).")] = 512,
+    repeats: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Measured runs per policy, interleaved, after one warm-up round.")] = 3,
+    prompt_file: Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=CACHE, help="Text to build the prompt from instead of the bundled passage.")] = None,
+    max_context: Annotated[
+        bool, typer.Option("--max-context", rich_help_panel=MAX_CONTEXT, help="Find the longest prompt each policy's set-up prefills within --memory-limit.")
+    ] = False,
+    memory_limit: Annotated[
+        Optional[str], typer.Option(metavar="SIZE", rich_help_panel=MAX_CONTEXT, help="Memory for --max-context, e.g. 16GiB (no more than is available).")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+) -> None:
+    """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
+    runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv"))
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    if max_context:
+        code = max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
+        if code:
+            raise typer.Exit(code)
+        return
+    if memory_limit is not None:
+        raise UsageError("--memory-limit goes with --max-context")
+    settings = ProfileSettings(runs=runs, budget=budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    if prompt_file is not None and not prompt_file.is_file():
+        raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
+    code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)
     if code:
         raise typer.Exit(code)
 

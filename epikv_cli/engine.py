@@ -181,6 +181,8 @@ class Generation:
     def _forward(self, session: EpiKVSession, ids: torch.Tensor) -> torch.Tensor:
         cache = session.cache
         kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        if session.attention is not None and session.attention.returns_weights:
+            kwargs["output_attentions"] = True  # the authors' set-up: every layer's weights come back
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids,

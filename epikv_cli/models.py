@@ -22,7 +22,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where weights come from: ``kind`` is ``dir``, ``gguf`` or ``hub``; ``location`` the path or id."""
+    """Where weights come from: ``kind`` is ``dir``, ``gguf``, ``hub``, ``config`` (a config.json: random
+    weights) or ``shape`` (a known shape by name: random weights); ``location`` the path, id or name."""
 
     kind: str
     location: str
@@ -46,6 +47,10 @@ def resolve_source(spec: str | None, log=None) -> ModelSource:
     if spec is None:
         return ModelSource("dir", str(ensure_demo_model(log) if log else ensure_demo_model()))
     path = Path(spec).expanduser()
+    if spec.endswith(".json"):
+        if not path.is_file():
+            raise UsageError(f"config file not found: {spec}; give an existing config.json")
+        return ModelSource("config", str(path))
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise UsageError(f"model file not found: {spec}; give an existing .gguf file")
@@ -87,7 +92,7 @@ def choose_attn(requested: str, *, on_cuda: bool, flash_available: bool, model_t
     return "sdpa"
 
 
-def _runs_on_cuda(device_map: str) -> bool:
+def runs_on_cuda(device_map: str) -> bool:
     return torch.cuda.is_available() and not device_map.startswith(("cpu", "mps", "disk"))
 
 
@@ -105,12 +110,63 @@ def _one_line(error: BaseException) -> str:
     return (text[0] if text else type(error).__name__)[:200]
 
 
+def byte_tokenizer(chat_template: str | None = None, specials: tuple[str, ...] = ("<s>", "</s>")):
+    """A tokenizer with one token per byte (ids 0-255, then ``specials``): for models without one of their own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    core = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(sorted(alphabet))}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=specials[0], eos_token=specials[1])
+    if specials[2:]:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(specials[2:])})
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _random_model(source: ModelSource, settings: ModelSettings) -> LoadedModel:
+    """A model with random weights from a known shape or a config.json (speed and memory runs)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .shapes import cut_layers, random_model, shape_config
+
+    if source.kind == "shape":
+        config = shape_config(source.location)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(source.location)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"cannot read the config {source.location}: {_one_line(error)}") from None
+    config = cut_layers(config, settings.layers)
+    on_cuda = runs_on_cuda(settings.device_map)
+    dtype = getattr(torch, settings.dtype) if settings.dtype != "auto" else (torch.bfloat16 if on_cuda else torch.float32)
+    attn = choose_attn(
+        settings.attn, on_cuda=on_cuda, flash_available=flash_attn_installed(),
+        model_type=getattr(config, "model_type", ""), dtype=dtype,
+    )
+    config._attn_implementation = attn
+    model = random_model(config, dtype, device="cuda" if on_cuda else "cpu")
+    tokenizer = None
+    if source.kind == "config":
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(Path(source.location).parent)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None
+    return LoadedModel(model, tokenizer or byte_tokenizer(), source, attn)
+
+
 def load(settings: ModelSettings, log=None) -> LoadedModel:
     """Load model and tokenizer as ``settings`` say; errors become :class:`ModelLoadError` or :class:`UsageError`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if settings.shape is not None:
+        return _random_model(ModelSource("shape", settings.shape), settings)
     source = resolve_source(settings.model, log)
+    if source.kind == "config":
+        return _random_model(source, settings)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -127,7 +183,7 @@ def load(settings: ModelSettings, log=None) -> LoadedModel:
                     "check the id and the network, or pass a local directory or .gguf file"
                 ) from None
             raise ModelLoadError(f"cannot load {source.location}: {_one_line(error)}") from None
-        on_cuda = _runs_on_cuda(settings.device_map)
+        on_cuda = runs_on_cuda(settings.device_map)
         dtype = _torch_dtype(settings.dtype, source)
         resolved_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(config, "dtype", None)
         if isinstance(resolved_dtype, str):

@@ -173,16 +173,21 @@ class ModelSettings:
     """Which model to load and how to place it.
 
     Attributes:
-        model: a local directory, a ``.gguf`` file, a Hub id, or ``None`` for the demo model.
+        model: a local directory, a ``.gguf`` file, a Hub id, a ``config.json`` (random weights), or
+            ``None`` for the demo model.
         device_map: passed to Accelerate (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...).
-        dtype: ``auto`` keeps the checkpoint's dtype.
+        dtype: ``auto`` keeps the checkpoint's dtype (random weights: bfloat16 on CUDA, else float32).
         attn: ``auto`` picks flash_attention_2 when installed on CUDA, else sdpa.
+        shape: a known shape (:data:`epikv_cli.shapes.SHAPES`) built with random weights, instead of ``model``.
+        layers: keep only this many decoder layers of a shape or config.json.
     """
 
     model: str | None = None
     device_map: str = "auto"
     dtype: str = "auto"
     attn: str = "auto"
+    shape: str | None = None
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -191,6 +196,17 @@ class ModelSettings:
             raise UsageError(f"--attn must be one of {', '.join(ATTN_CHOICES)}, got {self.attn!r}")
         if self.model is not None and not self.model.strip():
             raise UsageError("--model is empty; give a directory, a .gguf file or a Hub id")
+        if self.shape is not None and self.model is not None:
+            raise UsageError("give either --model or --shape, not both")
+        if self.layers is not None and self.shape is None and not (self.model or "").endswith(".json"):
+            raise UsageError("--layers goes with --shape NAME or --model CONFIG.json (random weights)")
+        if self.layers is not None and self.layers < 1:
+            raise UsageError(f"--layers must be at least 1, got {self.layers}")
+        if self.shape is not None:
+            from .shapes import SHAPES  # late import: shapes imports transformers
+
+            if self.shape not in SHAPES:
+                raise UsageError(f"unknown --shape {self.shape!r}; choose one of: {', '.join(sorted(SHAPES))}")
         check_device_map(self.device_map)
 
 

@@ -6,10 +6,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from rich.text import Text
 
 from .engine import StepEvent
@@ -208,8 +210,55 @@ class LivePanel:
         self.draws += 1
 
 
-def batch_progress(console: Console, disable: bool = False) -> Progress:
-    """The progress bar ``--prompts`` shows on stderr."""
+def _mib(value: int) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def profile_table(reports, title: str, compact: bool = False) -> Table:
+    """The ``epikv profile`` results: medians, the decode spread, and ratios (×) to the first policy.
+
+    ``compact`` (a terminal under 110 columns) leaves out the spread and the KV ratio.
+    """
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    columns = {
+        "policy": lambda r: r.policy,
+        "prefill s": lambda r: f"{r.prefill_seconds:.3f}",
+        "tok/s": lambda r: f"{r.decode_tokens_per_s:.2f}",
+        "min–max": lambda r: f"{r.decode_tokens_per_s_min:.1f}–{r.decode_tokens_per_s_max:.1f}",
+        "×": lambda r: f"{r.ratio_decode_tokens_per_s:.2f}",
+        "flat": lambda r: f"{r.flatness:.2f}",
+        "peak MiB": lambda r: f"{_mib(r.prefill_peak_memory_bytes)}/{_mib(r.decode_peak_memory_bytes)}",
+        "KV MiB": lambda r: f"{r.kv_cache_bytes / 2**20:,.1f}",
+        "KV ×": lambda r: f"{r.ratio_kv_cache_bytes:.2f}",
+        "stored": lambda r: str(r.peak_stored),
+    }
+    if compact:
+        del columns["min–max"], columns["KV ×"]
+        columns["peak MiB"] = lambda r: _mib(r.decode_peak_memory_bytes)
+    for name in columns:
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
+    for r in reports:
+        table.add_row(*(cell(r) for cell in columns.values()))
+    return table
+
+
+def max_context_table(rows: list[dict], title: str) -> Table:
+    """``epikv profile --max-context``: the longest prompt per set-up, and its ratio to the first."""
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("policy", "kernel", "max prompt tokens", "peak MiB", "×", "probes"):
+        table.add_column(name, justify="left" if name in ("policy", "kernel") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(
+            row["policy"], row["kernel"],
+            f"≥ {row['max_prompt_tokens']:,} (model limit)" if row["reached_model_limit"] else f"{row['max_prompt_tokens']:,}",
+            _mib(row["peak_memory_bytes"]),
+            f"{row['ratio']:.2f}" if row["ratio"] is not None else "–", str(len(row["probes"])),
+        )
+    return table
+
+
+def progress_bar(console: Console, disable: bool = False, transient: bool = False) -> Progress:
+    """The progress bar ``--prompts`` and ``epikv profile`` show on stderr."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -218,5 +267,5 @@ def batch_progress(console: Console, disable: bool = False) -> Progress:
         TimeElapsedColumn(),
         console=console,
         disable=disable,
-        transient=False,
+        transient=transient,
     )

@@ -8,7 +8,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -16,10 +15,11 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Phi3Config,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
+
+from epikv_cli.models import byte_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -28,17 +28,9 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
+def make_tokenizer():
     """Byte-level tokenizer: one token per byte plus a few specials, with a chat template."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[2:]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return byte_tokenizer(CHAT_TEMPLATE, tuple(SPECIALS))
 
 
 VOCAB = 272  # 256 bytes + 5 specials, rounded up

@@ -57,7 +57,9 @@ def bash_complete(*words: str) -> list[str]:
 
 
 def test_bash_completion():
-    assert bash_complete("epikv", "") == ["generate", "--version", "--install-completion", "--show-completion", "--help", "-h"]
+    assert bash_complete("epikv", "") == ["generate", "profile", "--version", "--install-completion", "--show-completion", "--help", "-h"]
+    assert bash_complete("epikv", "profile", "--sha") == ["--shape"]
+    assert bash_complete("epikv", "profile", "--shape", "qw") == ["qwen2.5-32b", "qwen3-8b", "qwq-32b"]
     assert bash_complete("epikv", "generate", "--pol") == ["--policy"]
     assert bash_complete("epikv", "generate", "--policy", "") == sorted(POLICIES)
     assert bash_complete("epikv", "generate", "--positions", "c") == ["compressed"]

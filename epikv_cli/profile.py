@@ -1,0 +1,273 @@
+"""``epikv profile``: speed and memory of several policies on one model, compared fairly.
+
+One model is loaded once. After a warm-up round, the policies run interleaved (A B C A B C ...) so
+that a noisy machine affects them alike; every run is forced to the same number of new tokens (EOS
+ignored) from the same prompt of real text. A policy may name the attention kernel it runs on,
+``h2o@eager`` being the EpiKV authors' set-up for attention-based eviction.
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .engine import Generation
+from .errors import UsageError
+from .policies import POLICIES, make_policy
+from .settings import ATTN_CHOICES, CacheSettings, SamplingSettings
+
+MIN_NEW_TOKENS = 8
+WARMUP_TOKENS = 8
+#: Kernels a policy may name after ``@``.
+KERNELS = tuple(kernel for kernel in ATTN_CHOICES if kernel != "auto")
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One entry of ``--policies``: a policy name and, optionally, the kernel it runs on (``h2o@eager``)."""
+
+    policy: str
+    kernel: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}@{self.kernel}" if self.kernel else self.policy
+
+    @classmethod
+    def parse(cls, text: str) -> PolicyRun:
+        policy, _, kernel = text.strip().partition("@")
+        if policy not in POLICIES:
+            raise UsageError(f"--policies: unknown policy {policy!r}; choose from: {', '.join(sorted(POLICIES))}")
+        if kernel and kernel not in KERNELS:
+            raise UsageError(f"--policies: unknown kernel {kernel!r} in {text.strip()!r}; use one of {', '.join(KERNELS)}")
+        return cls(policy, kernel or None)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What ``epikv profile`` compares."""
+
+    runs: tuple[PolicyRun, ...]
+    budget: int
+    prompt_tokens: int = 256
+    new_tokens: int = 512
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise UsageError("--policies is empty; give names such as full,streaming,epikv")
+        labels = [run.label for run in self.runs]
+        if len(set(labels)) != len(labels):
+            raise UsageError(f"--policies lists a policy twice: {','.join(labels)}")
+        if self.repeats < 1:
+            raise UsageError(f"--repeats must be at least 1, got {self.repeats}")
+        if self.new_tokens < MIN_NEW_TOKENS:
+            raise UsageError(f"--new-tokens must be at least {MIN_NEW_TOKENS} (flatness compares quarters), got {self.new_tokens}")
+        if self.prompt_tokens < 1:
+            raise UsageError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.budget < 1:
+            raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
+
+    @classmethod
+    def parse_policies(cls, text: str) -> tuple[PolicyRun, ...]:
+        return tuple(PolicyRun.parse(part) for part in text.split(",") if part.strip())
+
+    def cache_for(self, run: PolicyRun) -> CacheSettings:
+        return CacheSettings(budget=None if run.policy == "full" else self.budget, policy=run.policy)
+
+    def check_budgets(self) -> None:
+        """Every policy must accept this budget for this prompt, before anything runs."""
+        for run in self.runs:
+            if POLICIES[run.policy].evicts:
+                make_policy(self.cache_for(run)).check_budget(self.prompt_tokens, self.budget)
+
+
+def prompt_ids(tokenizer, tokens: int, prompt_file: Path | None = None) -> torch.Tensor:
+    """``[1, tokens]``: the passage (bundled, or ``prompt_file``) tokenized and repeated to length."""
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read --prompt-file {prompt_file}: {error}") from None
+    else:
+        text = resources.files("epikv_cli").joinpath("data/passage.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise UsageError(f"--prompt-file {prompt_file} holds no text")
+    repeated = (ids * (tokens // len(ids) + 1))[:tokens]
+    return torch.tensor([repeated])
+
+
+@dataclass
+class RunMeasure:
+    """What one generation measured."""
+
+    prefill_seconds: float
+    decode_tokens_per_s: float
+    flatness: float
+    prefill_peak_memory_bytes: int
+    decode_peak_memory_bytes: int
+    kv_cache_bytes: int
+    peak_stored: int
+    peak_memory_kind: str
+
+
+def flatness(elapsed: list[float]) -> float:
+    """Decode tokens/s over the last quarter of the tokens divided by that over the first quarter.
+
+    ``elapsed[i]`` is when token i was produced (token 0 comes out of the prefill).
+    """
+    quarter = (len(elapsed) - 1) // 4
+    first = quarter / (elapsed[quarter] - elapsed[0])
+    last = quarter / (elapsed[-1] - elapsed[-1 - quarter])
+    return last / first
+
+
+@contextmanager
+def attention_kernel(model, kernel: str | None):
+    """Run ``model`` on ``kernel`` for a while (``None``: as loaded)."""
+    base = model.config._attn_implementation
+    if kernel is None or kernel == base:
+        yield
+        return
+    model.set_attn_implementation(kernel)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(base)
+
+
+def measure(model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int) -> RunMeasure:
+    """One forced-length generation (EOS ignored)."""
+    sampling = SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    with attention_kernel(model, run.kernel):
+        generation = Generation(model, tokenizer, ids, cache, sampling)
+        elapsed = [event.elapsed for event in generation]
+    result = generation.result
+    return RunMeasure(
+        prefill_seconds=result.prefill_seconds,
+        decode_tokens_per_s=result.decode_tokens_per_s,
+        flatness=flatness(elapsed),
+        prefill_peak_memory_bytes=result.prefill_peak_memory_bytes,
+        decode_peak_memory_bytes=result.decode_peak_memory_bytes,
+        kv_cache_bytes=result.kv_cache_bytes,
+        peak_stored=result.peak_stored,
+        peak_memory_kind=result.peak_memory_kind,
+    )
+
+
+@dataclass
+class PolicyReport:
+    """Medians over the repeats, with the decode speed's spread and ratios to the first policy."""
+
+    policy: str
+    prefill_seconds: float
+    decode_tokens_per_s: float
+    decode_tokens_per_s_min: float
+    decode_tokens_per_s_max: float
+    flatness: float
+    prefill_peak_memory_bytes: int
+    decode_peak_memory_bytes: int
+    kv_cache_bytes: int
+    peak_stored: int
+    peak_memory_kind: str
+    ratio_decode_tokens_per_s: float = 1.0
+    ratio_prefill_seconds: float = 1.0
+    ratio_kv_cache_bytes: float = 1.0
+    ratio_decode_peak_memory_bytes: float = 1.0
+
+    @classmethod
+    def from_runs(cls, label: str, runs: list[RunMeasure]) -> PolicyReport:
+        speeds = [r.decode_tokens_per_s for r in runs]
+        return cls(
+            policy=label,
+            prefill_seconds=round(statistics.median(r.prefill_seconds for r in runs), 6),
+            decode_tokens_per_s=round(statistics.median(speeds), 3),
+            decode_tokens_per_s_min=round(min(speeds), 3),
+            decode_tokens_per_s_max=round(max(speeds), 3),
+            flatness=round(statistics.median(r.flatness for r in runs), 4),
+            prefill_peak_memory_bytes=int(statistics.median(r.prefill_peak_memory_bytes for r in runs)),
+            decode_peak_memory_bytes=int(statistics.median(r.decode_peak_memory_bytes for r in runs)),
+            kv_cache_bytes=max(r.kv_cache_bytes for r in runs),
+            peak_stored=max(r.peak_stored for r in runs),
+            peak_memory_kind=runs[0].peak_memory_kind,
+        )
+
+    def relative_to(self, first: PolicyReport) -> None:
+        def ratio(mine: float, theirs: float) -> float:
+            return round(mine / theirs, 4) if theirs else float("nan")
+
+        self.ratio_decode_tokens_per_s = ratio(self.decode_tokens_per_s, first.decode_tokens_per_s)
+        self.ratio_prefill_seconds = ratio(self.prefill_seconds, first.prefill_seconds)
+        self.ratio_kv_cache_bytes = ratio(self.kv_cache_bytes, first.kv_cache_bytes)
+        self.ratio_decode_peak_memory_bytes = ratio(self.decode_peak_memory_bytes, first.decode_peak_memory_bytes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_profile(model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, advance=lambda label: None) -> list[PolicyReport]:
+    """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run."""
+    settings.check_budgets()
+    for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
+        measure(model, tokenizer, ids, run, settings.cache_for(run), min(WARMUP_TOKENS, settings.new_tokens))
+        advance(f"warm-up {run.label}")
+    measured: dict[str, list[RunMeasure]] = {run.label: [] for run in settings.runs}
+    for _ in range(settings.repeats):
+        for run in settings.runs:
+            measured[run.label].append(measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens))
+            advance(run.label)
+    reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items()]
+    for report in reports:
+        report.relative_to(reports[0])
+    return reports
+
+
+def profile_command(
+    model_settings, settings: ProfileSettings, prompt_file: Path | None = None, json_output: bool = False, quiet: bool = False
+) -> int:
+    """``epikv profile``: load once, measure, print a table (or ``--json``); return the exit status."""
+    import json
+    import sys
+
+    from rich.console import Console
+
+    from .models import load
+    from .ui import profile_table, progress_bar
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    settings.check_budgets()  # before the model loads
+    loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
+    ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, prompt_file)
+    total = len(settings.runs) * (settings.repeats + 1)
+    with progress_bar(err, disable=quiet, transient=True) as progress:
+        task = progress.add_task("profile", total=total, status="")
+        reports = run_profile(loaded.model, loaded.tokenizer, settings, ids, lambda label: progress.update(task, advance=1, status=label))
+    model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
+    if model_settings.layers:
+        model_name += f" ({model_settings.layers} layers)"
+    if json_output:
+        report = {
+            "model": model_name, "budget": settings.budget, "prompt_tokens": settings.prompt_tokens,
+            "new_tokens": settings.new_tokens, "repeats": settings.repeats, "attn": loaded.attn,
+            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+            "device": str(next(loaded.model.parameters()).device),
+            "results": [r.to_dict() for r in reports],
+        }
+        print(json.dumps(report), flush=True)
+    else:
+        title = (
+            f"{model_name}: budget {settings.budget}, prompt {settings.prompt_tokens} tokens, {settings.new_tokens} new, "
+            f"median of {settings.repeats} runs; × is the ratio to {reports[0].policy}; peak memory is "
+            f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
+        )
+        out = Console(highlight=False)
+        if not out.is_terminal:
+            out = Console(highlight=False, width=160)  # a file or a pipe: do not squeeze the table
+        out.print(profile_table(reports, title, compact=out.width < 110))
+    return 0

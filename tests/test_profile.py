@@ -1,0 +1,174 @@
+"""`epikv profile`: interleaved runs forced to equal work, honest figures, ratios, shapes, max context."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from typer.testing import CliRunner
+
+from epikv_cli import profile as profile_module
+from epikv_cli.cli import app
+from epikv_cli.maxcontext import ProbeResult, parse_memory, search
+from epikv_cli.profile import PolicyRun, ProfileSettings, flatness
+from epikv_cli.shapes import SHAPES, cut_layers, shape_config
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, ["profile", *args])
+
+
+def one_line_error(result, *needles):
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epikv: error: ") and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_flatness_compares_the_last_quarter_with_the_first():
+    steady = [0.5 + 0.1 * i for i in range(17)]  # token 0 after the prefill, then one every 0.1 s
+    assert flatness(steady) == pytest.approx(1.0)
+    slowing = [0.5] + [0.5 + 0.1 * i + 0.01 * i * i for i in range(1, 17)]
+    first, last = 4 / (slowing[4] - slowing[0]), 4 / (slowing[16] - slowing[12])
+    assert flatness(slowing) == pytest.approx(last / first) and flatness(slowing) < 0.5
+
+
+def test_runs_are_interleaved_after_a_warm_up_and_forced_to_equal_length(tiny_model_dir, monkeypatch):
+    calls = []
+    real = profile_module.measure
+
+    def spy(model, tokenizer, ids, run, cache, new_tokens):
+        measured = real(model, tokenizer, ids, run, cache, new_tokens)
+        calls.append((run.label, new_tokens, ids.shape[1]))
+        return measured
+
+    monkeypatch.setattr(profile_module, "measure", spy)
+    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming,h2o@eager", "-b", "24",
+                    "--prompt-tokens", "20", "--new-tokens", "12", "--repeats", "2", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    warm, measured = calls[:3], calls[3:]
+    assert [c[0] for c in warm] == ["full", "streaming", "h2o@eager"]
+    assert [c[0] for c in measured] == ["full", "streaming", "h2o@eager"] * 2
+    assert {c[1:] for c in measured} == {(12, 20)}
+    data = json.loads(result.stdout)
+    assert (data["budget"], data["prompt_tokens"], data["new_tokens"], data["repeats"]) == (24, 20, 12, 2)
+    rows = {r["policy"]: r for r in data["results"]}
+    assert list(rows) == ["full", "streaming", "h2o@eager"]
+    assert rows["full"]["ratio_decode_tokens_per_s"] == 1.0
+    for row in rows.values():
+        assert row["decode_tokens_per_s_min"] <= row["decode_tokens_per_s"] <= row["decode_tokens_per_s_max"]
+        assert row["ratio_decode_tokens_per_s"] == pytest.approx(row["decode_tokens_per_s"] / rows["full"]["decode_tokens_per_s"], abs=1e-3)
+        assert row["ratio_kv_cache_bytes"] == pytest.approx(row["kv_cache_bytes"] / rows["full"]["kv_cache_bytes"], abs=1e-3)
+    # bytes per slot of the tiny Llama: 4 layers x (keys + values) x 2 heads x 8 dims x 4 bytes = 512
+    assert rows["streaming"]["kv_cache_bytes"] == 25 * 512  # K + 1 slots, never more
+    assert rows["full"]["kv_cache_bytes"] == (20 + 12) * 512  # the whole sequence, allocated as it filled
+    assert rows["streaming"]["peak_stored"] == 25 and rows["h2o@eager"]["peak_stored"] == 25
+
+
+def test_table_output(tiny_model_dir):
+    result = invoke("--model", str(tiny_model_dir), "--policies", "full,epikv", "-b", "48", "--prompt-tokens", "20",
+                    "--new-tokens", "8", "--repeats", "1", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert "epikv" in result.stdout and "tok/s" in result.stdout and "ratio to full" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--policies", "full,h3o"], ["unknown policy 'h3o'"]),
+        (["--policies", "epikv,epikv"], ["lists a policy twice"]),
+        (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
+        (["--repeats", "0"], ["--repeats must be at least 1"]),
+        (["--new-tokens", "7"], ["--new-tokens must be at least 8"]),
+        (["--policies", "epikv", "--budget", "100", "--prompt-tokens", "100"], ["--budget 100 is not larger than the 100-token prompt"]),
+        (["--max-context", "--memory-limit", "lots"], ["is not a size"]),
+        (["--max-context", "--memory-limit", "100000GiB"], ["more than this machine has available"]),
+        (["--max-context"], ["needs --memory-limit"]),
+        (["--memory-limit", "1GiB"], ["goes with --max-context"]),
+        (["--shape", "llama-9000"], ["unknown --shape 'llama-9000'"]),
+        (["--layers", "2"], ["--layers goes with --shape"]),
+    ],
+)
+def test_bad_input_is_one_line(tiny_model_dir, args, needles):
+    model = [] if any(a in ("--shape",) for a in args) else ["--model", str(tiny_model_dir)]
+    one_line_error(invoke(*model, *args), *needles)
+
+
+def test_a_config_that_is_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    one_line_error(invoke("--model", str(tmp_path / "config.json")), "not a causal language model")
+    (tmp_path / "odd.json").write_text(json.dumps({"hello": 1}))
+    one_line_error(invoke("--model", str(tmp_path / "odd.json")), "cannot read the config")
+
+
+def test_config_json_runs_with_random_weights_and_fewer_layers(tmp_path):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=512)
+    config.save_pretrained(tmp_path)
+    result = invoke("--model", str(tmp_path / "config.json"), "--layers", "2", "--policies", "full,epikv", "-b", "40",
+                    "--prompt-tokens", "16", "--new-tokens", "8", "--repeats", "1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    # 2 of 6 layers kept: (16 + 8) slots x 2 layers x (keys, values) x 2 heads x 16 dims x 4 bytes
+    assert rows[1]["kv_cache_bytes"] == 24 * 2 * 2 * 2 * 16 * 4
+
+
+# published parameter counts of the real checkpoints (embeddings and head included)
+PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "qwen2.5-32b": 32_763_876_352, "qwen3-8b": 8_190_735_360}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shapes_have_the_published_size(name):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(name))
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    assert cut_layers(shape_config(name), 3).num_hidden_layers == 3
+    assert set(PUBLISHED) <= set(SHAPES)
+
+
+def test_memory_sizes():
+    assert parse_memory("16GiB") == 16 * 2**30 == parse_memory("16G") == parse_memory("16 gib")
+    assert parse_memory("16GB") == 16 * 10**9 and parse_memory("1500MiB") == 1500 * 2**20 and parse_memory("4096") == 4096
+
+
+def test_search_doubles_then_bisects_to_the_resolution():
+    limit = 5000
+    seen = []
+
+    def probe(length):
+        seen.append(length)
+        return ProbeResult(length, length <= limit)
+
+    found, probes = search(probe, start=512, ceiling=1 << 20)
+    assert seen[:5] == [512, 1024, 2048, 4096, 8192] and len(probes) == len(seen)
+    assert limit - 64 <= found <= limit
+    capped, _ = search(lambda n: ProbeResult(n, True), start=512, ceiling=3000)
+    assert capped == 3000  # the model's context length, reached
+    assert search(lambda n: ProbeResult(n, n <= 100), start=512, ceiling=4096)[0] in range(64, 101)
+
+
+def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
+    """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights."""
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=272, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    result = invoke("--model", str(tmp_path), "--max-context", "--memory-limit", "700MiB", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    rows = {r["policy"]: r for r in json.loads(result.stdout)["results"]}
+    assert rows["h2o"]["kernel"] == "eager" and rows["epikv"]["kernel"] == "sdpa"
+    assert rows["epikv"]["reached_model_limit"] and rows["epikv"]["max_prompt_tokens"] == 8192
+    assert 512 <= rows["h2o"]["max_prompt_tokens"] < 4096 and not rows["h2o"]["reached_model_limit"]
+    assert rows["epikv"]["ratio"] == pytest.approx(8192 / rows["h2o"]["max_prompt_tokens"], abs=1e-3)
+    assert all(p["ok"] == (p["peak_memory_bytes"] <= 700 * 2**20 and p["error"] is None) for p in rows["h2o"]["probes"])
+
+
+def test_policy_run_labels():
+    assert PolicyRun.parse("h2o@eager").label == "h2o@eager" and PolicyRun.parse(" epikv ").kernel is None
+    assert ProfileSettings(runs=(PolicyRun("full"),), budget=8).cache_for(PolicyRun("full")).budget is None
