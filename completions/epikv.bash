@@ -8,6 +8,8 @@ _epikv() {
     generate)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
+            --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
@@ -27,7 +29,7 @@ _epikv() {
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;

