@@ -122,13 +122,25 @@ class AttentionTaps:
         self.model = model
         self.needs = needs
         self.record = AttentionRecord()
-        self.base = model.config._attn_implementation
-        _register(self.base)
         blocks = decoder_blocks(model)
         self.modules = [_attention_module(blocks[layer]) for layer in layers]
+        # Sessions sharing a model share the tapped kernel: the first switches, the last restores.
+        users = getattr(model, "_epikv_tap_users", 0)
+        if users == 0:
+            model._epikv_tap_base = model.config._attn_implementation
+            _register(model._epikv_tap_base)
+            model.set_attn_implementation(TAP_PREFIX + model._epikv_tap_base)
+        model._epikv_tap_users = users + 1
+        self.base = model._epikv_tap_base
+        self.set_active(True)
+
+    def set_active(self, active: bool) -> None:
+        """Receive the evicting layers' attention (only this session's forwards should)."""
         for module in self.modules:
-            module._epikv_attention_tap = self
-        model.set_attn_implementation(TAP_PREFIX + self.base)
+            if active:
+                module._epikv_attention_tap = self
+            elif getattr(module, "_epikv_attention_tap", None) is self:
+                del module._epikv_attention_tap
 
     @property
     def returns_weights(self) -> bool:
@@ -166,12 +178,13 @@ class AttentionTaps:
             self.record.received[layer] = total
 
     def remove(self) -> None:
-        """Give the model its own kernel back and stop recording."""
-        for module in self.modules:
-            if getattr(module, "_epikv_attention_tap", None) is self:
-                del module._epikv_attention_tap
-        if self.model.config._attn_implementation == TAP_PREFIX + self.base:
-            self.model.set_attn_implementation(self.base)
+        """Stop recording; the last session to leave gives the model its own kernel back."""
+        self.set_active(False)
+        self.model._epikv_tap_users -= 1
+        if self.model._epikv_tap_users == 0:
+            if self.model.config._attn_implementation == TAP_PREFIX + self.base:
+                self.model.set_attn_implementation(self.base)
+            del self.model._epikv_tap_users, self.model._epikv_tap_base
         self.record = AttentionRecord()
 
 

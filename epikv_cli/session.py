@@ -54,16 +54,27 @@ class EpiKVSession:
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
         needs = self.policy.attention_needs
         self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
-        self._handles = [model.register_forward_hook(self._after_forward)]
-        if self.cache.compressed_positions:
-            self._handles.append(model.register_forward_pre_hook(self._compressed_positions, with_kwargs=True))
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
 
     # -- hooks ----------------------------------------------------------------------------------
+    # Several sessions may share one model (fidelity replays many caches in lockstep): each acts only
+    # on the forwards that use its own cache, and its taps record only during those.
     def _uses_cache(self, kwargs: dict) -> bool:
         return kwargs.get("cache") is self.cache or kwargs.get("past_key_values") is self.cache
 
-    def _compressed_positions(self, module: nn.Module, args: tuple, kwargs: dict):
+    def _set_taps(self, active: bool) -> None:
+        self.taps.active = active
+        if self.attention is not None:
+            self.attention.set_active(active)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._uses_cache(kwargs):
+            return None
+        self._set_taps(True)
+        if not self.cache.compressed_positions:
             return None
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -71,7 +82,10 @@ class EpiKVSession:
         kwargs["position_ids"] = self.cache.position_ids(inputs.shape[1], inputs.device)
         return args, kwargs
 
-    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not self._uses_cache(kwargs):
+            return
+        self._set_taps(False)
         appended = self.cache.commit()
         if not len(appended):
             self.taps.clear()

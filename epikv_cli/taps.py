@@ -26,16 +26,19 @@ class HiddenStateTaps:
 
     Block l's output is what transformers calls ``hidden_states[l + 1]`` (for the last block,
     transformers reports the state after the final norm instead; the tap keeps the block's own output).
-    The tensors are references, not copies; :meth:`clear` drops them after each forward.
+    The tensors are references, not copies; :meth:`clear` drops them after each forward. Only
+    forwards while :attr:`active` is set are recorded (the owning session sets it for its own forwards).
     """
 
     def __init__(self, model: nn.Module, layers: list[int]) -> None:
         blocks = decoder_blocks(model)
         self.outputs: dict[int, torch.Tensor] = {}
+        self.active = True
         self._handles = [blocks[layer].register_forward_hook(partial(self._keep, layer)) for layer in layers]
 
     def _keep(self, layer: int, module: nn.Module, args: tuple, output) -> None:
-        self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+        if self.active:
+            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
 
     def clear(self) -> None:
         self.outputs.clear()

@@ -91,3 +91,23 @@ def test_baselines_run_under_plain_generate(policy):
     assert cache.evicted_total >= 209 - 24 - cache.policy.slack
     assert cache.peak_stored == 24 + max(1, cache.policy.slack)  # K + 1 in a step; R-KV compresses at K + 128
     assert MODEL.config._attn_implementation == kernel  # the tapped kernel is gone with the session
+
+
+def test_sessions_sharing_a_model_in_lockstep_match_each_run_alone(tokenizer):
+    """Two generations stepped alternately on one model (as fidelity replays do) see only their own forwards."""
+    from epikv_cli.engine import Generation
+    from epikv_cli.settings import CacheSettings, SamplingSettings
+
+    def make(policy):
+        return Generation(MODEL, tokenizer, IDS, CacheSettings(budget=24, policy=policy), SamplingSettings(max_new_tokens=60, ignore_eos=True))
+
+    alone = {policy: [(e.token_id, e.evicted) for e in make(policy)] for policy in ("h2o", "epikv", "tova")}
+    runs = {policy: iter(make(policy)) for policy in alone}
+    together = {policy: [] for policy in alone}
+    for _ in range(60):
+        for policy, run in runs.items():
+            event = next(run)
+            together[policy].append((event.token_id, event.evicted))
+    assert together == alone
+    assert all(next(run, None) is None for run in runs.values())  # each ends, and its session closes
+    assert MODEL.config._attn_implementation == "sdpa" and not hasattr(MODEL, "_epikv_tap_users")
