@@ -22,8 +22,10 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
 from .generate import report_nothing_generated, run_generate
 from .helpscreen import render_help
 from .policies import POLICIES
+from .fidelity import check_configs, fidelity_command
 from .maxcontext import max_context_command
 from .profile import ProfileSettings, profile_command
+from .problems import load_problems
 from .prompts import decode_text
 from .settings import (
     ATTN_CHOICES,
@@ -54,6 +56,11 @@ PROFILE_EXAMPLES = (
     ("epikv profile --shape llama-3.1-8b --layers 4 --policies epikv,h2o@eager --budget 512", "EpiKV against the authors' eager H2O, random 8B-shaped weights"),
     ("epikv profile --max-context --memory-limit 4GiB --policies h2o,epikv", "the longest prefill each set-up fits in 4 GiB"),
 )
+#: Shown by `epikv fidelity --help` and the man page.
+FIDELITY_EXAMPLES = (
+    ("epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o --budgets +64,+128,+256 -o fid.jsonl",
+     "MATH-500 problems 0-29: distance from the full cache per policy and budget"),
+)
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
     ("EPIKV_MODEL", "default for --model"),
@@ -80,6 +87,7 @@ AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
 # Option panels of `epikv generate --help`.
 MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = "Model", "Cache and eviction", "Sampling", "Prompt", "Output", "Batch files"
 MAX_CONTEXT = "Max feasible context"
+DATA = "Prompts"
 
 
 # Options shared by every command that loads a model.
@@ -354,6 +362,41 @@ def profile(
     if prompt_file is not None and not prompt_file.is_file():
         raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
     code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in FIDELITY_EXAMPLES))
+def fidelity(
+    prompts: Annotated[Path, typer.Option("--prompts", metavar="FILE", rich_help_panel=DATA, help="Plain text, JSONL with prompt/messages, or a dataset JSONL ('-' is not accepted).")],
+    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field in a dataset (default: prompt, problem or question).")] = None,
+    limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
+    offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
+    model: ModelOption = None,
+    shape: ShapeOption = None,
+    layers: LayersOption = None,
+    device_map: DeviceMapOption = "auto",
+    dtype: DTypeOption = DType.auto,
+    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
+    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")] = "streaming,epikv",
+    budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (128) or per prompt (+96 = prompt + 96).")] = "+64,+128,+256",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt (EOS ignored).")] = 384,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="Per-prompt results as JSONL.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping the prompts it holds.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+) -> None:
+    """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
+    configs = check_configs(policies, budgets)
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    if prompts == Path("-"):
+        raise UsageError("fidelity needs --prompts FILE (stdin cannot be read again on --resume)")
+    files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
+    code = fidelity_command(
+        model_settings, files, lambda: load_problems(prompts, field=field, limit=limit, offset=offset), configs, new_tokens,
+        json_output=json_output, quiet=quiet,
+    )
     if code:
         raise typer.Exit(code)
 

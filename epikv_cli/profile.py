@@ -238,7 +238,7 @@ def profile_command(
     from rich.console import Console
 
     from .models import load
-    from .ui import profile_table, progress_bar
+    from .ui import profile_table, progress_bar, wide_console
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     settings.check_budgets()  # before the model loads
@@ -266,8 +266,6 @@ def profile_command(
             f"median of {settings.repeats} runs; × is the ratio to {reports[0].policy}; peak memory is "
             f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
         )
-        out = Console(highlight=False)
-        if not out.is_terminal:
-            out = Console(highlight=False, width=160)  # a file or a pipe: do not squeeze the table
+        out = wide_console()
         out.print(profile_table(reports, title, compact=out.width < 110))
     return 0

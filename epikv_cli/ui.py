@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -257,15 +257,45 @@ def max_context_table(rows: list[dict], title: str) -> Table:
     return table
 
 
-def progress_bar(console: Console, disable: bool = False, transient: bool = False) -> Progress:
-    """The progress bar ``--prompts`` and ``epikv profile`` show on stderr."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=disable,
-        transient=transient,
-    )
+def progress_bar(console: Console, disable: bool = False, transient: bool = False, eta: bool = False) -> Progress:
+    """The progress bar of batch files, ``profile`` and ``fidelity`` on stderr (``eta``: time remaining too)."""
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    if eta:
+        columns.append(TimeRemainingColumn())
+    return Progress(*columns, console=console, disable=disable, transient=transient)
+
+
+def fidelity_table(rows, title: str, compact: bool = False) -> Table:
+    """``epikv fidelity``: per policy and budget, distance from the full cache, means over prompts.
+
+    ``compact`` (a terminal under 100 columns) leaves out the all-positions columns.
+    """
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+
+    def number(value, digits):
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    columns = {
+        "policy": lambda r: r.policy,
+        "budget": lambda r: r.budget,
+        "KL full": lambda r: number(r.values["kl_after_full"], 4),
+        "KL all": lambda r: number(r.values["kl_all"], 4),
+        "top-1 full": lambda r: number(r.values["top1_after_full"], 3),
+        "top-1 all": lambda r: number(r.values["top1_all"], 3),
+        "ppl": lambda r: number(r.values["perplexity"], 2),
+        "age": lambda r: number(r.values["kept_age"], 1),
+        "n": lambda r: str(r.prompts),
+    }
+    if compact:
+        del columns["KL all"], columns["top-1 all"]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("policy", "budget") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(cell(row) for cell in columns.values()))
+    return table
+
+
+def wide_console() -> Console:
+    """stdout for tables: the terminal as it is, or 160 columns when it is a file or a pipe."""
+    out = Console(highlight=False)
+    return out if out.is_terminal else Console(highlight=False, width=160)

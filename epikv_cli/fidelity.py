@@ -1,0 +1,286 @@
+"""``epikv fidelity``: how far each policy and budget keeps the model from its full-cache self.
+
+For each prompt, a full-cache stream generates the greedy reference (EOS ignored) and, in lockstep,
+every policy x budget replays exactly those tokens teacher-forced under its own cache. At each
+position the next-token distributions are compared: KL(full || policy), top-1 agreement, and the
+policy's negative log-likelihood of the reference token. Nothing per token is kept beyond running
+sums, and the prompt is prefilled once per stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine import CacheStream
+from .errors import EXIT_INTERRUPTED, UsageError
+from .policies import POLICIES
+from .problems import Problem, protocol_ids
+from .settings import CacheSettings
+
+_BUDGET = re.compile(r"^(\+?)([1-9]\d*)$")
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A budget as given: absolute (``128``) or relative to each prompt (``+96`` = prompt length + 96)."""
+
+    text: str
+    relative: bool
+    tokens: int
+
+    @classmethod
+    def parse(cls, text: str) -> BudgetSpec:
+        match = _BUDGET.match(text.strip())
+        if match is None:
+            raise UsageError(f"--budgets: {text.strip()!r} is not a budget; give a positive number (128) or +N (prompt + N)")
+        return cls(text.strip(), bool(match.group(1)), int(match.group(2)))
+
+    @classmethod
+    def parse_list(cls, text: str) -> tuple[BudgetSpec, ...]:
+        specs = tuple(cls.parse(part) for part in text.split(",") if part.strip())
+        if not specs:
+            raise UsageError("--budgets is empty; give budgets such as +64,+128,256")
+        return specs
+
+    def resolve(self, prompt_len: int) -> int:
+        return prompt_len + self.tokens if self.relative else self.tokens
+
+
+@dataclass
+class Agreement:
+    """Running sums for one policy x budget on one prompt; ``after_full`` counts positions whose logits
+    were computed after the cache first evicted."""
+
+    positions: int = 0
+    kl: float = 0.0
+    top1: int = 0
+    nll: float = 0.0
+    after_full: int = 0
+    kl_after_full: float = 0.0
+    top1_after_full: int = 0
+
+    def add(self, reference: torch.Tensor, logits: torch.Tensor, token: int, after_full: bool) -> None:
+        """``reference`` is the full cache's ``[vocab]`` log-probabilities, ``logits`` the policy's raw logits."""
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        kl = float((reference.exp() * (reference - log_probs)).sum())
+        agree = int(log_probs.argmax()) == token
+        self.positions += 1
+        self.kl += kl
+        self.top1 += agree
+        self.nll -= float(log_probs[token])
+        if after_full:
+            self.after_full += 1
+            self.kl_after_full += kl
+            self.top1_after_full += agree
+
+    def summary(self) -> dict:
+        after = self.after_full or None
+        return {
+            "kl_after_full": self.kl_after_full / after if after else None,
+            "kl_all": self.kl / self.positions,
+            "top1_after_full": self.top1_after_full / after if after else None,
+            "top1_all": self.top1 / self.positions,
+            "perplexity": math.exp(self.nll / self.positions),
+            "positions_after_full": self.after_full,
+        }
+
+
+@dataclass
+class Config:
+    """One policy x budget of the comparison."""
+
+    policy: str
+    budget: BudgetSpec
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} {self.budget.text}"
+
+    def settings(self, prompt_len: int) -> CacheSettings:
+        return CacheSettings(budget=None if self.policy == "full" else self.budget.resolve(prompt_len), policy=self.policy)
+
+
+def kept_age(cache, prompt_len: int) -> float | None:
+    """Mean age (logical length minus position) of the generated tokens still cached."""
+    positions = cache.live_positions()
+    generated = positions[positions >= prompt_len]
+    return float((cache.seen - generated).float().mean()) if generated.numel() else None
+
+
+def replay(model, ids: torch.Tensor, configs: list[Config], new_tokens: int, advance=lambda: None) -> tuple[list[int], list[dict]]:
+    """Reference tokens of one prompt and, per config, its agreement with the full cache.
+
+    A config whose budget cannot hold this prompt gets ``{"error": ...}`` instead of numbers.
+    """
+    prompt_len = ids.shape[1]
+    total = prompt_len + new_tokens
+    results: list[dict] = []
+    streams: list[tuple[int, CacheStream, Agreement]] = []
+    reference = CacheStream(model, CacheSettings(budget=None, policy="full"), max_tokens=total)
+    try:
+        for index, config in enumerate(configs):
+            row = {"policy": config.policy, "budget": config.budget.text}
+            results.append(row)
+            try:
+                settings = config.settings(prompt_len)
+                row["budget_tokens"] = settings.budget
+                stream = CacheStream(model, settings, max_tokens=total)
+            except UsageError as error:
+                row["error"] = str(error)
+                continue
+            try:
+                stream.session.policy.check_budget(prompt_len, settings.budget)
+            except UsageError as error:
+                stream.close()
+                row["error"] = str(error)
+                continue
+            streams.append((index, stream, Agreement()))
+        logits = reference.feed(ids)
+        per_stream = [stream.feed(ids) for _, stream, _ in streams]
+        tokens: list[int] = []
+        for step in range(new_tokens):
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            token = int(log_probs.argmax())
+            tokens.append(token)
+            for (_, stream, agreement), policy_logits in zip(streams, per_stream):
+                filled = stream.cache.evicted_total > len(stream.session.last.evicted)  # evicted before these logits
+                agreement.add(log_probs, policy_logits, token, filled)
+            advance()
+            if step == new_tokens - 1:
+                break
+            fed = torch.tensor([[token]])
+            logits = reference.feed(fed)
+            per_stream = [stream.feed(fed) for _, stream, _ in streams]
+        for index, stream, agreement in streams:
+            results[index].update(agreement.summary(), evicted=stream.cache.evicted_total, kept_age=kept_age(stream.cache, prompt_len))
+        return tokens, results
+    finally:
+        reference.close()
+        for _, stream, _ in streams:
+            stream.close()
+
+
+METRICS = ("kl_after_full", "kl_all", "top1_after_full", "top1_all", "perplexity", "kept_age")
+
+
+@dataclass
+class SummaryRow:
+    """Means over prompts for one policy x budget (prompts where it could not run are left out)."""
+
+    policy: str
+    budget: str
+    prompts: int = 0
+    values: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "budget": self.budget, **self.values, "prompts_counted": self.prompts}
+
+
+def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
+    """Means over the prompt records of each config's metrics."""
+    rows = []
+    for config in configs:
+        found = [
+            r for record in records for r in record["results"]
+            if r["policy"] == config.policy and r["budget"] == config.budget.text and "error" not in r
+        ]
+        values = {}
+        for metric in METRICS:
+            present = [r[metric] for r in found if r.get(metric) is not None]
+            values[metric] = round(statistics.fmean(present), 6) if present else None
+        rows.append(SummaryRow(config.policy, config.budget.text, len(found), values))
+    return rows
+
+
+def run_fidelity(
+    loaded, problems: list[Problem], configs: list[Config], new_tokens: int, output: Path | None, resume: bool,
+    quiet: bool = False,
+) -> tuple[list[SummaryRow], int]:
+    """Replay every problem (skipping those already in ``output`` with ``resume``); return the summary and exit status."""
+    from rich.console import Console
+
+    from .batch import JsonlWriter, read_results
+    from .ui import progress_bar
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    previous = read_results(output) if resume and output is not None else []
+    done = {json.dumps(r["id"]) for r in previous}
+    todo = [p for p in problems if json.dumps(p.id) not in done]
+    if output is not None and not resume:
+        output.write_text("", encoding="utf-8")
+    records = [r for r in previous if "results" in r]
+    writer = JsonlWriter(output) if output is not None else None
+    interrupted = False
+    try:
+        with progress_bar(err, disable=quiet, transient=True, eta=True) as progress:
+            task = progress.add_task("fidelity", total=len(todo) * new_tokens, status="")
+            for problem in todo:
+                ids = protocol_ids(loaded.tokenizer, problem)
+                progress.update(task, status=f"prompt {problem.id} ({ids.shape[1]} tokens)")
+                tokens, results = replay(loaded.model, ids, configs, new_tokens, lambda: progress.advance(task))
+                record = {"id": problem.id, "line": problem.line, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens, "results": results}
+                records.append(record)
+                if writer is not None:
+                    writer.write(record)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if writer is not None:
+            writer.close()
+    if interrupted:
+        where = f" in {output}; rerun with --resume to continue" if output else ""
+        print(f"epikv: interrupted; every finished prompt is{where}", file=sys.stderr)
+    return summarise(records, configs), EXIT_INTERRUPTED if interrupted else 0
+
+
+def check_configs(policies: str, budgets: str) -> list[Config]:
+    """Every policy x budget, policies validated against the registry."""
+    names = [name.strip() for name in policies.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--policies is empty; give names such as streaming,epikv,h2o")
+    for name in names:
+        if name not in POLICIES:
+            raise UsageError(f"--policies: unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+    return [Config(name, spec) for name in names for spec in BudgetSpec.parse_list(budgets)]
+
+
+def summary_json(model_name: str, new_tokens: int, prompts: int, rows: list[SummaryRow]) -> str:
+    return json.dumps({"model": model_name, "new_tokens": new_tokens, "prompts": prompts, "results": [r.to_dict() for r in rows]})
+
+
+
+def fidelity_command(
+    model_settings, files, problems_from, configs: list[Config], new_tokens: int, json_output: bool = False, quiet: bool = False
+) -> int:
+    """``epikv fidelity``: load once, replay every problem, print the table (or ``--json``)."""
+    from rich.console import Console
+
+    from .models import load
+    from .ui import fidelity_table, wide_console
+
+    if new_tokens < 1:
+        raise UsageError(f"--new-tokens must be at least 1, got {new_tokens}")
+    problems = problems_from()
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
+    rows, code = run_fidelity(loaded, problems, configs, new_tokens, files.output, files.resume, quiet=quiet)
+    model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
+    if json_output:
+        print(summary_json(model_name, new_tokens, len(problems), rows), flush=True)
+    else:
+        title = (
+            f"{model_name}: {len(problems)} prompts, {new_tokens} reference tokens; means over prompts of "
+            "KL(full || policy) and top-1 agreement after the cache first filled (full) and over all positions; "
+            "ppl of the reference; age of the kept generated tokens; n prompts that fit the budget"
+        )
+        out = wide_console()
+        out.print(fidelity_table(rows, title, compact=out.width < 100))
+    return code

@@ -1,0 +1,139 @@
+"""`epikv fidelity`: the replay reproduces the full cache, equals a masked forward under eviction, and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from epikv_cli.cli import app
+from epikv_cli.engine import CacheStream
+from epikv_cli.errors import UsageError
+from epikv_cli.fidelity import BudgetSpec, Config, replay
+from epikv_cli.problems import load_problems
+from epikv_cli.settings import CacheSettings
+
+from conftest import tiny_model
+from test_exactness import masked_reference
+
+MODEL = tiny_model("llama", seed=6)
+runner = CliRunner()
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per row KL(p || q) from raw logits (the independent reference)."""
+    p, q = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def test_full_cache_replay_reproduces_the_reference():
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    tokens, results = replay(MODEL, ids, [Config("full", BudgetSpec.parse("+8"))], 40)
+    assert results[0]["kl_all"] < 1e-6 and results[0]["top1_all"] == 1.0
+    assert results[0]["kl_after_full"] is None and results[0]["positions_after_full"] == 0
+    with torch.no_grad():  # the reference is greedy decoding of the full model
+        logits = MODEL(torch.tensor([ids[0].tolist() + tokens[:-1]])).logits[0, 23:]
+    assert logits.argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("policy", ["streaming", "epikv", "h2o"])
+def test_replay_under_eviction_equals_a_masked_full_forward(policy):
+    prompt_len, new = 24, 50
+    ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(4))
+    config = Config(policy, BudgetSpec.parse("+16"))
+    tokens, results = replay(MODEL, ids, [config], new)
+    sequence = ids[0].tolist() + tokens[:-1]
+    # the same teacher-forced stream, to learn what it evicted at each step
+    evicted = []
+    with CacheStream(MODEL, config.settings(prompt_len), max_tokens=prompt_len + new) as stream:
+        stream.feed(ids)
+        evicted.append(stream.session.last.evicted)
+        for token in tokens[:-1]:
+            stream.feed(torch.tensor([[token]]))
+            evicted.append(stream.session.last.evicted)
+    masked = masked_reference(MODEL, sequence, prompt_len, evicted)
+    with torch.no_grad():
+        full = MODEL(torch.tensor([sequence])).logits[0, prompt_len - 1 :]
+    per_position = kl(full, masked)
+    filled = [sum(len(e) for e in evicted[:i]) > 0 for i in range(new)]  # evicted before step i's forward
+    after = per_position[torch.tensor(filled)]
+    assert results[0]["kl_all"] == pytest.approx(float(per_position.mean()), rel=1e-3, abs=1e-6)
+    assert results[0]["kl_after_full"] == pytest.approx(float(after.mean()), rel=1e-3, abs=1e-6)
+    assert results[0]["positions_after_full"] == int(sum(filled))
+    nll = -torch.log_softmax(masked.double(), -1)[torch.arange(new), torch.tensor(tokens)]
+    assert results[0]["perplexity"] == pytest.approx(float(nll.mean().exp()), rel=1e-4)
+    assert results[0]["top1_all"] == pytest.approx(float((masked.argmax(-1) == torch.tensor(tokens)).double().mean()))
+    assert results[0]["kl_all"] > 1e-4  # eviction did move the distribution
+
+
+def test_budgets_parse_and_resolve():
+    assert BudgetSpec.parse("+96").resolve(40) == 136 and BudgetSpec.parse("128").resolve(40) == 128
+    assert BudgetSpec.parse("+96").text == "+96"
+    for bad in ("+x", "-5", "0", "+0", "1.5", ""):
+        with pytest.raises(UsageError):
+            BudgetSpec.parse(bad)
+
+
+def test_a_budget_too_small_for_a_prompt_is_that_configs_error():
+    ids = torch.randint(0, 256, (1, 40))
+    _, results = replay(MODEL, ids, [Config("epikv", BudgetSpec.parse("+4")), Config("streaming", BudgetSpec.parse("+4"))], 10)
+    assert "use --budget" in results[0]["error"] and "kl_all" not in results[0]
+    assert results[1]["kl_all"] >= 0 and "error" not in results[1]
+
+
+def dataset(tmp_path, rows):
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_problems_from_datasets(tmp_path):
+    path = dataset(tmp_path, [{"problem": "p1", "answer": 3.0}, {"question": "q2", "answer": "#### 5"}, {"problem": "p3", "id": "x"}])
+    problems = load_problems(path)
+    assert [(p.id, p.prompt, p.answer) for p in problems] == [(1, "p1", "3"), (2, "q2", "#### 5"), ("x", "p3", None)]
+    assert [p.prompt for p in load_problems(path, limit=1, offset=1)] == ["q2"]
+    with pytest.raises(UsageError, match="no 'topic' text field"):
+        load_problems(path, field="topic")
+    with pytest.raises(UsageError, match="--limit must be at least 1"):
+        load_problems(path, limit=0)
+
+
+def test_cli_json_resume_and_output(tiny_model_dir, tmp_path):
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}, {"problem": "Say hi."}])
+    out = tmp_path / "fid.jsonl"
+    args = ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "--policies", "streaming,epikv",
+            "--budgets", "+40,64", "-n", "24", "--output", str(out), "--json", "-q"]
+    first = runner.invoke(app, [*args, "--limit", "2"])
+    assert first.exit_code == 0, first.stderr
+    data = json.loads(first.stdout)
+    assert (data["new_tokens"], data["prompts"]) == (24, 2)
+    assert [(r["policy"], r["budget"]) for r in data["results"]] == [("streaming", "+40"), ("streaming", "64"), ("epikv", "+40"), ("epikv", "64")]
+    assert set(data["results"][0]) >= {"kl_after_full", "kl_all", "top1_after_full", "top1_all", "perplexity", "kept_age"}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [1, 2]
+    second = runner.invoke(app, [*args, "--resume"])
+    assert second.exit_code == 0, second.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2, 3]
+    assert json.loads(second.stdout)["results"][0]["prompts_counted"] == 3  # the resumed lines count too
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--budgets", "+x"], "is not a budget"),
+        (["--budgets", "-5"], "is not a budget"),
+        (["--policies", "h3o"], "unknown policy 'h3o'"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--field", "nope"], "no 'nope' text field"),
+    ],
+)
+def test_bad_input(tiny_model_dir, tmp_path, args, needle):
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}])
+    result = runner.invoke(app, ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "-n", "8", *args])
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_cache_settings_for_relative_budgets():
+    assert Config("epikv", BudgetSpec.parse("+96")).settings(50) == CacheSettings(budget=146, policy="epikv")
