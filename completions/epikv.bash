@@ -2,9 +2,28 @@
 _epikv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i
     for ((i = 1; i < COMP_CWORD; i++)); do
-        case "${COMP_WORDS[i]}" in fidelity|generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
+        case "${COMP_WORDS[i]}" in eval|fidelity|generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
     done
     case "$sub" in
+    eval)
+        case "$prev" in
+            --dataset|-d) COMPREPLY=(); return ;;
+            --field) COMPREPLY=(); return ;;
+            --answer-field) COMPREPLY=(); return ;;
+            --limit) COMPREPLY=(); return ;;
+            --offset) COMPREPLY=(); return ;;
+            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
+            --layers) COMPREPLY=(); return ;;
+            --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
+            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
+            --policies) COMPREPLY=(); return ;;
+            --budgets) COMPREPLY=(); return ;;
+            --max-new-tokens|-n) COMPREPLY=(); return ;;
+            --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        esac
+        COMPREPLY=($(compgen -W "--dataset -d --field --answer-field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --max-new-tokens -n --output -o --resume --overwrite --json --quiet -q --help -h" -- "$cur")) ;;
     fidelity)
         case "$prev" in
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -65,7 +84,7 @@ _epikv() {
             --memory-limit) COMPREPLY=(); return ;;
         esac
         COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
-    *) COMPREPLY=($(compgen -W "fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
+    *) COMPREPLY=($(compgen -W "eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }
 complete -F _epikv epikv

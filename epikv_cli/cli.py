@@ -25,7 +25,8 @@ from .policies import POLICIES
 from .fidelity import check_configs, fidelity_command
 from .maxcontext import max_context_command
 from .profile import ProfileSettings, profile_command
-from .problems import load_problems
+from .evaluate import eval_command
+from .problems import HUB_DATASETS, load_problems
 from .prompts import decode_text
 from .settings import (
     ATTN_CHOICES,
@@ -60,6 +61,12 @@ PROFILE_EXAMPLES = (
 FIDELITY_EXAMPLES = (
     ("epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o --budgets +64,+128,+256 -o fid.jsonl",
      "MATH-500 problems 0-29: distance from the full cache per policy and budget"),
+)
+#: Shown by `epikv eval --help` and the man page.
+EVAL_EXAMPLES = (
+    ("epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv --budgets +128,+256 -o gsm.jsonl",
+     "GSM8K, first 100 problems, at two budgets"),
+    ("epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl", "the paper's MATH-500 protocol (needs the Hub)"),
 )
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
@@ -397,6 +404,42 @@ def fidelity(
         model_settings, files, lambda: load_problems(prompts, field=field, limit=limit, offset=offset), configs, new_tokens,
         json_output=json_output, quiet=quiet,
     )
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("eval", cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EVAL_EXAMPLES))
+def eval_(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", metavar="NAME|FILE", rich_help_panel=DATA, help=f"A JSONL file, or a name loaded from the Hub: {', '.join(HUB_DATASETS)}.")],
+    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field (default: problem or question).")] = None,
+    answer_field: Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DATA, help="The reference answer's field.")] = "answer",
+    limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many problems.")] = None,
+    offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many problems first.")] = 0,
+    model: ModelOption = None,
+    shape: ShapeOption = None,
+    layers: LayersOption = None,
+    device_map: DeviceMapOption = "auto",
+    dtype: DTypeOption = DType.auto,
+    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
+    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")] = "full,epikv",
+    budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (2048) or per prompt (+512).")] = "4096",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=CACHE, help="Most tokens per answer.")] = 8192,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="One JSONL line per problem, policy and budget.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping what it holds without an error.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+) -> None:
+    """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
+    configs = check_configs(policies, budgets)
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    source = Path(dataset)
+    if dataset not in HUB_DATASETS or source.exists():
+        files = BatchFiles.check(source, output, resume=resume, overwrite=overwrite)
+    else:
+        files = BatchFiles.check(Path("-"), output, resume=resume, overwrite=overwrite)  # only the output to check
+    code = eval_command(model_settings, dataset, field, answer_field, limit, offset, configs, max_new_tokens, files,
+                        json_output=json_output, quiet=quiet)
     if code:
         raise typer.Exit(code)
 

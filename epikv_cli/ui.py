@@ -295,6 +295,21 @@ def fidelity_table(rows, title: str, compact: bool = False) -> Table:
     return table
 
 
+def eval_table(rows, title: str) -> Table:
+    """``epikv eval``: accuracy per policy and budget, with its 95% interval."""
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("policy", "budget", "accuracy", "95% CI", "correct", "no answer", "errors", "mean tokens", "tok/s"):
+        table.add_column(name, justify="left" if name in ("policy", "budget") else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            r.policy, r.budget, f"{r.accuracy:.3f}" if r.problems else "–", f"{r.low:.2f}–{r.high:.2f}" if r.problems else "–",
+            f"{r.correct}/{r.problems}", str(r.no_answer), str(r.errors),
+            f"{r.mean_generated_tokens:.0f}" if r.mean_generated_tokens is not None else "–",
+            f"{r.mean_tokens_per_s:.1f}" if r.mean_tokens_per_s is not None else "–",
+        )
+    return table
+
+
 def wide_console() -> Console:
     """stdout for tables: the terminal as it is, or 160 columns when it is a file or a pipe."""
     out = Console(highlight=False)

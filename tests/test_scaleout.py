@@ -104,3 +104,33 @@ def test_a_rank_that_dies_never_leaves_the_other_waiting(tiny_model_dir, tmp_pat
     )
     done, out = launch_with(tmp_path, tiny_model_dir, injection, [f"question {i}" for i in range(4)], timeout=120)
     assert done.returncode != 0  # and subprocess.run's timeout did not fire
+
+
+def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"problem {i}", "answer": str(i)}) + "\n" for i in range(5)))
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') is not None:\n"
+        "    import types, epikv_cli.evaluate as evaluate\n"
+        "    class Scripted:\n"
+        "        def __init__(self, model, tokenizer, ids, cache, sampling):\n"
+        "            number = tokenizer.decode(ids[0]).split('problem ')[1][0]\n"
+        "            self.text = '\\\\boxed{' + number + '}' if number != '3' else 'no idea'\n"
+        "        def __iter__(self):\n"
+        "            self.result = types.SimpleNamespace(text=self.text, prompt_tokens=5, generated_tokens=3, stop_reason='eos', decode_tokens_per_s=9.0)\n"
+        "            return iter(())\n"
+        "    evaluate.Generation = Scripted\n"
+    )
+    out = tmp_path / "eval.jsonl"
+    command = [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", "eval", "--model", str(tiny_model_dir), "--dataset", str(data),
+               "--policies", "full", "--budgets", "64", "-n", "8", "-o", str(out), "--json", "-q"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(inject)}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = read(out)
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and {r["rank"] for r in rows} == {0, 1}
+    assert [r["correct"] for r in rows] == [True, True, True, False, True]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])  # printed once, by rank 0
+    assert summary["results"][0]["correct"] == 4 and summary["results"][0]["problems"] == 5

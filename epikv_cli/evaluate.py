@@ -1,0 +1,238 @@
+"""``epikv eval``: accuracy of greedy reasoning under each policy and budget, the paper's protocol.
+
+Each problem is prompted with the chat template and the system message "Please reason step by
+step, and put your final answer within \\boxed{}.", decoded greedily, and judged by math-verify:
+the model's answer is the last ``\\boxed{}`` of its output (or a GSM8K-style ``#### N`` when no box
+is written), the reference is the dataset's answer (for GSM8K the number after ``####``).
+One JSONL line per problem x policy x budget, appended as it finishes; ``--resume`` continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import Generation
+from .errors import EXIT_INTERRUPTED, UsageError
+from .fidelity import Config
+from .problems import Problem, protocol_ids
+from .settings import SamplingSettings
+
+Z95 = 1.959963984540054
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    depth = 0
+    for index in range(brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[brace + 1 : index].strip()
+    return None
+
+
+def after_hashes(text: str) -> str | None:
+    """What follows the last ``####`` (GSM8K's answer form), commas dropped."""
+    if "####" not in text:
+        return None
+    answer = text.rsplit("####", 1)[1].strip().splitlines()
+    return answer[0].replace(",", "").strip() if answer else None
+
+
+def model_answer(text: str) -> str | None:
+    """The model's final answer: the last boxed expression, else a ``#### N`` line."""
+    return last_boxed(text) or after_hashes(text)
+
+
+def reference_answer(answer: str) -> str:
+    """The dataset's answer as an expression (GSM8K solutions end in ``#### N``)."""
+    return after_hashes(answer) or answer.strip()
+
+
+def is_correct(prediction: str | None, reference: str) -> bool:
+    """Whether math-verify finds ``prediction`` equal to ``reference`` (both read as LaTeX)."""
+    if not prediction:
+        return False
+    from math_verify import parse, verify
+
+    gold = parse(f"${reference}$")
+    guess = parse(f"${prediction}$")
+    return bool(gold and guess and verify(gold, guess))
+
+
+def wilson(correct: int, total: int) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if total == 0:
+        return (math.nan, math.nan)
+    p = correct / total
+    centre = (p + Z95**2 / (2 * total)) / (1 + Z95**2 / total)
+    half = Z95 * math.sqrt(p * (1 - p) / total + Z95**2 / (4 * total**2)) / (1 + Z95**2 / total)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass
+class EvalRow:
+    """Accuracy of one policy x budget."""
+
+    policy: str
+    budget: str
+    problems: int
+    correct: int
+    accuracy: float
+    low: float
+    high: float
+    no_answer: int
+    errors: int
+    mean_generated_tokens: float | None
+    mean_tokens_per_s: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
+    rows = []
+    for config in configs:
+        mine = [r for r in records if r["policy"] == config.policy and r["budget"] == config.budget.text]
+        judged = [r for r in mine if r.get("error") is None]
+        correct = sum(bool(r["correct"]) for r in judged)
+        low, high = wilson(correct, len(judged))
+        speeds = [r["decode_tokens_per_s"] for r in judged if r.get("decode_tokens_per_s")]
+        lengths = [r["generated_tokens"] for r in judged]
+        rows.append(EvalRow(
+            config.policy, config.budget.text, len(judged), correct, correct / len(judged) if judged else math.nan,
+            low, high, sum(r["prediction"] is None for r in judged), len(mine) - len(judged),
+            statistics.fmean(lengths) if lengths else None, statistics.fmean(speeds) if speeds else None,
+        ))
+    return rows
+
+
+def evaluate_one(loaded, problem: Problem, config: Config, max_new_tokens: int) -> dict:
+    """Generate greedily for one problem under one config and judge the answer."""
+    record = {"id": problem.id, "line": problem.line, "policy": config.policy, "budget": config.budget.text}
+    ids = protocol_ids(loaded.tokenizer, problem)
+    try:
+        generation = Generation(loaded.model, loaded.tokenizer, ids, config.settings(ids.shape[1]), SamplingSettings(max_new_tokens=max_new_tokens))
+        for _ in generation:
+            pass
+    except UsageError as error:  # e.g. a prompt too long for this budget
+        return {**record, "error": str(error)}
+    result = generation.result
+    prediction = model_answer(result.text)
+    reference = reference_answer(problem.answer)
+    return {
+        **record, "reference": reference, "prediction": prediction, "correct": is_correct(prediction, reference),
+        "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens, "stop_reason": result.stop_reason,
+        "decode_tokens_per_s": result.decode_tokens_per_s, "text": result.text, "error": None,
+    }
+
+
+def _key(record: dict) -> str:
+    return json.dumps([record["id"], record["policy"], record["budget"]])
+
+
+def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tokens: int, files, ranks, quiet: bool = False) -> tuple[list[dict], int]:
+    """Every problem x config not yet in the output; returns all records and the exit status."""
+    from rich.console import Console
+
+    from .batch import JsonlWriter, read_results, sort_by_line
+    from .scaleout import PeerFailed
+    from .ui import progress_bar
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    previous = read_results(files.output) if files.resume and files.output is not None else []
+    if ranks.is_main and files.output is not None and not files.resume:
+        files.output.write_text("", encoding="utf-8")
+    done = {_key(r) for r in previous if r.get("error") is None}
+    work = [(p, c) for p in problems for c in configs if _key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) not in done]
+    mine = ranks.shard(work)
+    records = list(previous)
+    interrupted = False
+    writer = None
+    try:
+        ranks.barrier()
+        writer = JsonlWriter(files.output) if files.output is not None else None
+        with progress_bar(err, disable=quiet or not ranks.is_main, transient=True, eta=True) as progress:
+            task = progress.add_task("eval", total=len(mine), status="")
+            for problem, config in mine:
+                progress.update(task, status=f"{problem.id} {config.label}")
+                record = evaluate_one(loaded, problem, config, max_new_tokens)
+                if ranks.world > 1:
+                    record["rank"] = ranks.rank
+                records.append(record)
+                if writer is not None:
+                    writer.write(record)
+                progress.advance(task)
+        ranks.barrier()
+    except KeyboardInterrupt:
+        interrupted = True
+    except PeerFailed:
+        ranks.close()
+        print(f"epikv: rank {ranks.rank}: another process of this launch stopped early; rerun with --resume", file=sys.stderr)
+        return records, 1
+    finally:
+        if writer is not None:
+            writer.close()
+    if interrupted:
+        ranks.close()
+        where = f" in {files.output}; rerun with --resume to continue" if files.output else ""
+        print(f"epikv: interrupted; every finished problem is{where}", file=sys.stderr)
+        return records, EXIT_INTERRUPTED
+    if ranks.world > 1 and files.output is not None:
+        records = read_results(files.output)  # every rank's lines
+        if ranks.is_main:
+            sort_by_line(files.output)
+    ranks.close()
+    return records, 0
+
+
+def eval_command(model_settings, dataset: str, field: str | None, answer_field: str, limit: int | None, offset: int,
+                 configs: list[Config], max_new_tokens: int, files, json_output: bool = False, quiet: bool = False) -> int:
+    """``epikv eval``: load, run every problem x config, print the accuracy table (or ``--json``)."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from .models import load
+    from .problems import HUB_DATASETS, load_hub_dataset, load_problems
+    from .scaleout import Ranks
+    from .ui import eval_table, wide_console
+
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if dataset in HUB_DATASETS and not Path(dataset).exists():
+        problems = load_hub_dataset(dataset, limit, offset)
+    else:
+        problems = load_problems(Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset)
+    missing = next((p for p in problems if p.answer is None), None)
+    if missing is not None:
+        raise UsageError(f"{dataset}:{missing.line}: no '{answer_field}' field; name the reference answer's field with --answer-field")
+    ranks = Ranks.from_env()
+    if ranks.world > 1 and files.output is None:
+        raise UsageError("several processes need --output FILE.jsonl to write one merged result")
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
+    loaded = load(placed, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
+    records, code = run_eval(loaded, problems, configs, max_new_tokens, files, ranks, quiet=quiet)
+    if not ranks.is_main:
+        return code
+    rows = summarise([r for r in records if "policy" in r], configs)
+    model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
+    if json_output:
+        print(json.dumps({"model": model_name, "dataset": dataset, "problems": len(problems), "max_new_tokens": max_new_tokens,
+                          "results": [r.to_dict() for r in rows]}), flush=True)
+    else:
+        title = (f"{model_name} on {dataset}: {len(problems)} problems, greedy, {max_new_tokens} new tokens at most; "
+                 "accuracy with its 95% Wilson interval")
+        wide_console().print(eval_table(rows, title))
+    return code
