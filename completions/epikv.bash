@@ -2,9 +2,21 @@
 _epikv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i
     for ((i = 1; i < COMP_CWORD; i++)); do
-        case "${COMP_WORDS[i]}" in eval|fidelity|generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
+        case "${COMP_WORDS[i]}" in calibrate|eval|fidelity|generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
     done
     case "$sub" in
+    calibrate)
+        case "$prev" in
+            --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --field) COMPREPLY=(); return ;;
+            --limit) COMPREPLY=(); return ;;
+            --offset) COMPREPLY=(); return ;;
+            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
+            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --new-tokens|-n) COMPREPLY=(); return ;;
+        esac
+        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --device-map --dtype --new-tokens -n --json --quiet -q --help -h" -- "$cur")) ;;
     eval)
         case "$prev" in
             --dataset|-d) COMPREPLY=(); return ;;
@@ -84,7 +96,7 @@ _epikv() {
             --memory-limit) COMPREPLY=(); return ;;
         esac
         COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
-    *) COMPREPLY=($(compgen -W "eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
+    *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }
 complete -F _epikv epikv

@@ -25,6 +25,7 @@ from .policies import POLICIES
 from .fidelity import check_configs, fidelity_command
 from .maxcontext import max_context_command
 from .profile import ProfileSettings, profile_command
+from .calibrate import calibrate_command
 from .evaluate import eval_command
 from .problems import HUB_DATASETS, load_problems
 from .prompts import decode_text
@@ -67,6 +68,10 @@ EVAL_EXAMPLES = (
     ("epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv --budgets +128,+256 -o gsm.jsonl",
      "GSM8K, first 100 problems, at two budgets"),
     ("epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl", "the paper's MATH-500 protocol (needs the Hub)"),
+)
+#: Shown by `epikv calibrate --help` and the man page.
+CALIBRATE_EXAMPLES = (
+    ("epikv calibrate --prompts ../shared/data/math500.jsonl --limit 30", "bands for the demo model from 30 MATH-500 problems"),
 )
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
@@ -440,6 +445,27 @@ def eval_(
         files = BatchFiles.check(Path("-"), output, resume=resume, overwrite=overwrite)  # only the output to check
     code = eval_command(model_settings, dataset, field, answer_field, limit, offset, configs, max_new_tokens, files,
                         json_output=json_output, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in CALIBRATE_EXAMPLES))
+def calibrate(
+    prompts: Annotated[Path, typer.Option("--prompts", metavar="FILE", rich_help_panel=DATA, help="Plain text, JSONL with prompt/messages, or a dataset JSONL.")],
+    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field in a dataset (default: prompt, problem or question).")] = None,
+    limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
+    offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
+    model: ModelOption = None,
+    device_map: DeviceMapOption = "auto",
+    dtype: DTypeOption = DType.auto,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")] = 384,
+    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+) -> None:
+    """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands."""
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)
+    problems = load_problems(prompts, field=field, limit=limit, offset=offset)
+    code = calibrate_command(model_settings, problems, new_tokens, json_output=json_output, quiet=quiet)
     if code:
         raise typer.Exit(code)
 

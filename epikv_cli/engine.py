@@ -78,6 +78,8 @@ class GenerationResult:
     kv_cache_bytes: int
     prefill_peak_memory_bytes: int = 0
     decode_peak_memory_bytes: int = 0
+    bands: list | None = None  # EpiKV's (layer, sign) pairs
+    bands_source: str | None = None  # "--bands", "calibrated (FILE)" or the default
     token_ids: list[int] = field(repr=False, default_factory=list)
 
     def to_dict(self) -> dict:
@@ -221,6 +223,8 @@ class Generation:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         #: whether the policy gives each token a frozen score (the panel's sparkline)
         self.policy_has_scores = POLICIES[cache.policy].has_scores
+        #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts
+        self.bands_description: str | None = None
 
     def _forward(self, session: EpiKVSession, ids: torch.Tensor) -> torch.Tensor:
         return forward_step(self.model, session, ids, self._logits_to_keep)
@@ -248,6 +252,9 @@ class Generation:
 
         with EpiKVSession(model, self.cache_settings, max_tokens=total) as session:
             session.policy.check_budget(prompt_len, session.cache.budget)
+            if getattr(session.policy, "bands_source", None):
+                pairs = ", ".join(f"{band.layer}:{band.sign:+.0f}" for band in session.policy.bands)
+                self.bands_description = f"{pairs} ({session.policy.bands_source})"
             try:
                 logits = self._forward(session, prompt)
                 prefill_memory = peak_memory(device)[0]
@@ -318,5 +325,7 @@ class Generation:
             kv_cache_bytes=session.cache.kv_bytes(),
             prefill_peak_memory_bytes=prefill_memory,
             decode_peak_memory_bytes=memory,
+            bands=[[band.layer, band.sign] for band in getattr(session.policy, "bands", [])] or None,
+            bands_source=getattr(session.policy, "bands_source", None),
             token_ids=token_ids,
         )

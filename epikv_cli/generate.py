@@ -117,6 +117,7 @@ def run_generate(
                     out.write(event.text)
                     out.flush()
                 if live is not None:
+                    view.state.bands = generation.bands_description
                     live.update(event)
     except KeyboardInterrupt:
         interrupted = True

@@ -271,13 +271,13 @@ def max_context_command(model_settings, runs, limit_text: str | None, json_outpu
     """``epikv profile --max-context``: search, then a table (or ``--json``) with ratios to the first policy."""
     from rich.console import Console
 
-    from .ui import max_context_table
+    from .ui import max_context_table, status_line
 
     if limit_text is None:
         raise UsageError("--max-context needs --memory-limit, e.g. --memory-limit 16GiB")
     limit = parse_memory(limit_text)
     err = Console(stderr=True, highlight=False)
-    with err.status("probing…", spinner="dots") if not quiet and err.is_terminal else _NoStatus() as status:
+    with status_line(err, quiet) as status:
         results = run_max_context(model_settings, runs, limit, progress=lambda text: status.update(text))
     first = results[0].max_prompt_tokens
     rows = [{**asdict(r), "ratio": round(r.max_prompt_tokens / first, 3) if first else None} for r in results]
@@ -288,15 +288,3 @@ def max_context_command(model_settings, runs, limit_text: str | None, json_outpu
         Console(highlight=False).print(max_context_table(rows, f"{model_name}: longest prefill within {limit / 2**30:.2f} GiB"))
     return 0
 
-
-class _NoStatus:
-    """Stands in for a rich status where none is shown."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def update(self, text: str) -> None:
-        return None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .calibrate import load_calibration, model_key
 from .demo_model import ensure_demo_model
 from .errors import ModelLoadError, UsageError
 from .settings import ATTN_CHOICES, ModelSettings
@@ -205,4 +206,5 @@ def load(settings: ModelSettings, log=None) -> LoadedModel:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.eval()
+    model.epikv_calibration = load_calibration(model_key(source))  # EpiKV's bands for this model, if calibrated
     return LoadedModel(model, tokenizer, source, attn)

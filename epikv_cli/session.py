@@ -43,7 +43,7 @@ class EpiKVSession:
         self.model = model
         self.settings = settings
         self.policy: Policy = make_policy(settings)
-        self.policy.setup(len(decoder_blocks(model)))
+        self.policy.setup(len(decoder_blocks(model)), getattr(model, "epikv_calibration", None))
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
             model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",

@@ -71,6 +71,7 @@ class PanelState:
     spikes: deque = field(default_factory=lambda: deque(maxlen=8))  # (position, score), newest last
     tokens_per_s: float | None = None
     memory_bytes: int | None = None
+    bands: str | None = None  # EpiKV's bands and their source
     _decode_start: float | None = None
 
     def update(self, event: StepEvent) -> None:
@@ -159,6 +160,8 @@ class PanelView:
             rows.append(listed)
         else:
             rows.append(Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
+        if s.bands:
+            rows.append(Text(f"bands {s.bands}", style="dim"))
         return Panel(Group(*rows), title=f"epiphany scores (spikes: z > {s.spike_threshold:g})", title_align="left", border_style="red")
 
     def render(self, with_text: bool = True) -> Group:
@@ -306,6 +309,40 @@ def eval_table(rows, title: str) -> Table:
             f"{r.correct}/{r.problems}", str(r.no_answer), str(r.errors),
             f"{r.mean_generated_tokens:.0f}" if r.mean_generated_tokens is not None else "–",
             f"{r.mean_tokens_per_s:.1f}" if r.mean_tokens_per_s is not None else "–",
+        )
+    return table
+
+
+class _NoStatus:
+    """What :func:`status_line` gives where nothing is shown: the same interface, doing nothing."""
+
+    def __enter__(self) -> _NoStatus:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, text: str) -> None:
+        return None
+
+
+def status_line(console: Console, quiet: bool = False):
+    """A one-line rich status on a terminal (``with ... as status: status.update(text)``); silent otherwise."""
+    return console.status("…") if console.is_terminal and not quiet else _NoStatus()
+
+
+def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: str) -> Table:
+    """``epikv calibrate``: Spearman correlation per layer, chosen bands marked."""
+    chosen = dict(bands)
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("layer", "ρ", "", "band"):
+        table.add_column(name, justify="right" if name != "" else "left", no_wrap=True)
+    scale = max((abs(r) for r in rho), default=1.0) or 1.0
+    for layer, value in enumerate(rho):
+        bar = "█" * int(round(12 * abs(value) / scale))
+        table.add_row(
+            str(layer), f"{value:+.3f}", Text(bar, style="green" if value > 0 else "red"),
+            f"{chosen[layer]:+.0f}" if layer in chosen else "",
         )
     return table
 

@@ -68,8 +68,11 @@ class Policy(ABC):
     def from_settings(cls, settings: CacheSettings) -> Policy:
         """Build the policy from the CLI/API cache settings."""
 
-    def setup(self, num_layers: int) -> None:
-        """Resolve anything that depends on the model's depth (called once, before the first forward)."""
+    def setup(self, num_layers: int, calibration=None) -> None:
+        """Resolve anything that depends on the model (called once, before the first forward).
+
+        ``calibration`` is the model's saved :class:`~epikv_cli.calibrate.Calibration`, if any.
+        """
 
     def tap_layers(self) -> list[int]:
         """Decoder blocks whose outputs :meth:`observe` needs."""

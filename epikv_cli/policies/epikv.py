@@ -90,14 +90,21 @@ class EpiKV(ScoredPolicy):
         self.window = window
         self.eps = eps
         self.bands: list[Band] = []
+        self.bands_source: str | None = None  # where the bands came from, said in --json and the panel
         self.last: list[StepScore] = []
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV:
         return cls(recent=cls.recent_from(settings), bands=settings.bands)
 
-    def setup(self, num_layers: int) -> None:
-        pairs = self.requested_bands or default_bands(num_layers)
+    def setup(self, num_layers: int, calibration=None) -> None:
+        """Bands: ``--bands`` if given, else the model's calibrated bands, else the depth-fraction default."""
+        if self.requested_bands:
+            pairs, self.bands_source = self.requested_bands, "--bands"
+        elif calibration is not None and all(0 <= layer < num_layers for layer, _ in calibration.bands):
+            pairs, self.bands_source = tuple(calibration.bands), calibration.describe()
+        else:
+            pairs, self.bands_source = default_bands(num_layers), "default (depth fractions 10/31, 21/31)"
         for layer, _ in pairs:
             if not 0 <= layer < num_layers:
                 raise UsageError(
