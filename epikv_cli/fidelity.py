@@ -54,6 +54,10 @@ class BudgetSpec:
         return prompt_len + self.tokens if self.relative else self.tokens
 
 
+#: The budget column of the full cache, which has none (it runs once, whatever --budgets says).
+NO_BUDGET = BudgetSpec("none", False, 0)
+
+
 @dataclass
 class Agreement:
     """Running sums for one policy x budget on one prompt; ``after_full`` counts positions whose logits
@@ -249,7 +253,10 @@ def check_configs(policies: str, budgets: str) -> list[Config]:
     for name in names:
         if name not in POLICIES:
             raise UsageError(f"--policies: unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
-    return [Config(name, spec) for name in names for spec in BudgetSpec.parse_list(budgets)]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--policies lists a policy twice: {','.join(names)}")
+    specs = BudgetSpec.parse_list(budgets)
+    return [config for name in names for config in ([Config(name, NO_BUDGET)] if name == "full" else [Config(name, s) for s in specs])]
 
 
 def summary_json(model_name: str, new_tokens: int, prompts: int, rows: list[SummaryRow]) -> str:

@@ -137,3 +137,13 @@ def test_bad_input(tiny_model_dir, tmp_path, args, needle):
 
 def test_cache_settings_for_relative_budgets():
     assert Config("epikv", BudgetSpec.parse("+96")).settings(50) == CacheSettings(budget=146, policy="epikv")
+
+
+def test_the_full_cache_runs_once_whatever_the_budgets():
+    from epikv_cli.fidelity import check_configs
+
+    configs = check_configs("full,epikv", "+64,128")
+    assert [(c.policy, c.budget.text) for c in configs] == [("full", "none"), ("epikv", "+64"), ("epikv", "128")]
+    assert configs[0].settings(30).budget is None
+    with pytest.raises(UsageError, match="twice"):
+        check_configs("epikv,epikv", "+64")
