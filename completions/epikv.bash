@@ -63,10 +63,11 @@ _epikv() {
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
             --budget|-b) COMPREPLY=(); return ;;
-            --policy|-p) COMPREPLY=($(compgen -W "epikv full h2o knorm lagkv random rkv streaming tova" -- "$cur")); return ;;
+            --policy|-p) COMPREPLY=($(compgen -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "$cur")); return ;;
             --recent) COMPREPLY=(); return ;;
             --bands) COMPREPLY=(); return ;;
             --positions) COMPREPLY=($(compgen -W "logical compressed" -- "$cur")); return ;;
+            --policy-option) COMPREPLY=(); return ;;
             --max-new-tokens|-n) COMPREPLY=(); return ;;
             --temperature) COMPREPLY=(); return ;;
             --top-p) COMPREPLY=(); return ;;
@@ -78,7 +79,7 @@ _epikv() {
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;

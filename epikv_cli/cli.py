@@ -21,7 +21,7 @@ from .batch import BatchFiles, run_batch
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
 from .generate import report_nothing_generated, run_generate
 from .helpscreen import render_help
-from .policies import POLICIES
+from .policies import POLICIES, parse_policy_spec
 from .fidelity import check_configs, fidelity_command
 from .maxcontext import max_context_command
 from .profile import ProfileSettings, profile_command
@@ -256,6 +256,10 @@ def generate(
         PositionMode,
         typer.Option(metavar="MODE", rich_help_panel=CACHE, help="RoPE positions after eviction: logical (true index) or compressed (paper-time harness)."),
     ] = PositionMode.logical,
+    policy_option: Annotated[
+        Optional[list[str]],
+        typer.Option("--policy-option", metavar="KEY=VALUE", rich_help_panel=CACHE, help="A tunable option of the policy, e.g. period=32 for epikv2."),
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")] = 512,
     temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="0 (or below 1e-5) is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
@@ -300,6 +304,7 @@ def generate(
         bands=parse_bands(bands) if bands is not None else None,
         positions=positions,
         seed=seed or 0,
+        options=parse_policy_spec(":".join([policy, *(policy_option or [])]))[1],
     )
     sampling = SamplingSettings(
         max_new_tokens=max_new_tokens,

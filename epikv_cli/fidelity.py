@@ -21,7 +21,7 @@ import torch
 
 from .engine import CacheStream
 from .errors import EXIT_INTERRUPTED, UsageError
-from .policies import POLICIES
+from .policies import parse_policy_spec
 from .problems import Problem, protocol_ids
 from .settings import CacheSettings
 
@@ -99,7 +99,7 @@ class Agreement:
 
 @dataclass
 class Config:
-    """One policy x budget of the comparison."""
+    """One policy x budget of the comparison; ``policy`` is the spec as given (``epikv2:period=32``)."""
 
     policy: str
     budget: BudgetSpec
@@ -109,7 +109,8 @@ class Config:
         return f"{self.policy} {self.budget.text}"
 
     def settings(self, prompt_len: int) -> CacheSettings:
-        return CacheSettings(budget=None if self.policy == "full" else self.budget.resolve(prompt_len), policy=self.policy)
+        name, options = parse_policy_spec(self.policy)
+        return CacheSettings(budget=None if name == "full" else self.budget.resolve(prompt_len), policy=name, options=options)
 
 
 def kept_age(cache, prompt_len: int) -> float | None:
@@ -250,9 +251,9 @@ def check_configs(policies: str, budgets: str) -> list[Config]:
     names = [name.strip() for name in policies.split(",") if name.strip()]
     if not names:
         raise UsageError("--policies is empty; give names such as streaming,epikv,h2o")
-    for name in names:
-        if name not in POLICIES:
-            raise UsageError(f"--policies: unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+    for name in names:  # a spec is NAME[:key=value...]; its settings are checked here, before any model loads
+        policy, options = parse_policy_spec(name)
+        CacheSettings(budget=None if policy == "full" else 4096, policy=policy, options=options)
     if len(set(names)) != len(names):
         raise UsageError(f"--policies lists a policy twice: {','.join(names)}")
     specs = BudgetSpec.parse_list(budgets)

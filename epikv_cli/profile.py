@@ -18,7 +18,7 @@ import torch
 
 from .engine import Generation
 from .errors import UsageError
-from .policies import POLICIES, make_policy
+from .policies import POLICIES, make_policy, parse_policy_spec
 from .settings import ATTN_CHOICES, CacheSettings, SamplingSettings
 
 MIN_NEW_TOKENS = 8
@@ -29,23 +29,26 @@ KERNELS = tuple(kernel for kernel in ATTN_CHOICES if kernel != "auto")
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """One entry of ``--policies``: a policy name and, optionally, the kernel it runs on (``h2o@eager``)."""
+    """One entry of ``--policies``: a policy spec (``epikv2:period=32``) and, optionally, the kernel it
+    runs on (``h2o@eager``)."""
 
     policy: str
     kernel: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
+    spec: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.policy}@{self.kernel}" if self.kernel else self.policy
+        name = self.spec or self.policy
+        return f"{name}@{self.kernel}" if self.kernel else name
 
     @classmethod
     def parse(cls, text: str) -> PolicyRun:
-        policy, _, kernel = text.strip().partition("@")
-        if policy not in POLICIES:
-            raise UsageError(f"--policies: unknown policy {policy!r}; choose from: {', '.join(sorted(POLICIES))}")
+        spec, _, kernel = text.strip().partition("@")
+        policy, options = parse_policy_spec(spec)
         if kernel and kernel not in KERNELS:
             raise UsageError(f"--policies: unknown kernel {kernel!r} in {text.strip()!r}; use one of {', '.join(KERNELS)}")
-        return cls(policy, kernel or None)
+        return cls(policy, kernel or None, options, spec.strip())
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class ProfileSettings:
         return tuple(PolicyRun.parse(part) for part in text.split(",") if part.strip())
 
     def cache_for(self, run: PolicyRun) -> CacheSettings:
-        return CacheSettings(budget=None if run.policy == "full" else self.budget, policy=run.policy)
+        return CacheSettings(budget=None if run.policy == "full" else self.budget, policy=run.policy, options=run.options)
 
     def check_budgets(self) -> None:
         """Every policy must accept this budget for this prompt, before anything runs."""

@@ -90,6 +90,7 @@ class CacheSettings:
         positions: ``logical`` (true absolute index) or ``compressed`` (next position = stored length,
             the paper-time harness).
         seed: seed for policies that draw at random.
+        options: ``(key, value)`` pairs for the policy's tunable options (``epikv2:period=32``).
     """
 
     budget: int | None = 4096
@@ -98,6 +99,7 @@ class CacheSettings:
     bands: tuple[tuple[int, float], ...] | None = None
     positions: str = "logical"
     seed: int = 0
+    options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         from .policies import POLICIES  # late import: policies import settings
@@ -125,6 +127,8 @@ class CacheSettings:
             )
         if self.bands is not None and self.policy != "epikv":
             raise UsageError(f"--bands only applies to policy 'epikv', not {self.policy!r}")
+        if self.options:
+            POLICIES[self.policy].options_from(self)  # unknown or malformed options fail here, before any model loads
 
     @property
     def recent_window(self) -> int:

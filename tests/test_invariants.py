@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from epikv_cli.engine import Generation
 from epikv_cli.policies import POLICIES, make_policy
 from epikv_cli.policies.baselines import Streaming
+from epikv_cli.policies.epikv2 import EpiKV2
 from epikv_cli.policies.h2o import H2O
 from epikv_cli.policies.rkv import RKV
 from epikv_cli.settings import CacheSettings, SamplingSettings
@@ -105,6 +106,8 @@ def protected(policy, prompt_len: int, seen: int, budget: int) -> set[int]:
         return set(range(min(policy.sinks, seen))) | set(range(max(0, seen - recent), seen))
     if isinstance(policy, RKV):
         return set(range(max(0, seen - policy.window), seen))
+    if isinstance(policy, EpiKV2):
+        return set(range(min(policy.sinks, seen))) | set(range(max(0, seen - policy.recent), seen))
     return {seen - 1}  # TOVA keeps the newest token
 
 

@@ -103,3 +103,42 @@ def test_knorm_scores_minus_the_mean_key_norm_and_evicts_the_largest():
     assert policy.score_of(2) == pytest.approx(-3.0 * 2)  # norm of [3, 3, 3, 3]
     # evictable: positions 1..5 (0 is the prompt, 6 the recent window); largest norms first: 2 (3.0), 4 (2.0)
     assert policy.select(cache, 2) == [2, 4]
+
+
+def test_received_attention_by_hand():
+    from epikv_cli.policies.epikv2 import received_attention
+
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])  # [kv_heads 1, n 3, dim 2]
+    queries = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])  # [heads 1, w 2, dim 2], at positions 1 and 2
+    got = received_attention(queries, keys, torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
+    first = torch.softmax(torch.tensor([2.0, 0.0]) / math.sqrt(2), 0)  # query at 1 sees keys 0, 1
+    second = torch.softmax(torch.tensor([0.0, 2.0, 2.0]) / math.sqrt(2), 0)  # query at 2 sees all three
+    assert torch.allclose(got, torch.tensor([first[0] + second[0], first[1] + second[1], second[2]]))
+
+
+def test_epikv2_keeps_sinks_and_its_recent_share_and_evicts_the_least_attended():
+    from epikv_cli.policies.epikv2 import EpiKV2
+
+    policy = EpiKV2(budget=8, sinks=2, recent=0.25, period=1)  # recent window: 2 tokens
+    assert policy.recent == 2 and policy.min_budget(100) == 5  # the prompt is not kept
+    policy.received.add(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3]))
+    cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
+    # sinks 0, 1 and the recent 7, 8 are kept; lowest received among 2..6: 5 (0.05), then 3 (0.1)
+    assert policy.select(cache, 2) == [5, 3]
+    keeping = EpiKV2(budget=8, sinks=2, recent=2, prompt="keep")
+    keeping.received.add(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3]))
+    assert keeping.select(fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9, prompt_len=4), 2) == [5, 6]
+    assert keeping.min_budget(4) == 2 + 2 + 4 + 1
+
+
+def test_policy_options_are_typed_and_checked():
+    from epikv_cli.policies import parse_policy_spec
+
+    assert parse_policy_spec("epikv2:period=8:decay=0.9") == ("epikv2", (("period", "8"), ("decay", "0.9")))
+    policy = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("period", "8"),)))
+    assert policy.period == 8 and policy.attention_needs.queries == 8
+    for bad, message in [((("speed", "9"),), "has no option 'speed'"), ((("period", "x"),), "must be a whole number"), ((("decay", "2"),), "0 < decay <= 1")]:
+        with pytest.raises(UsageError, match=message):
+            make_policy(CacheSettings(budget=100, policy="epikv2", options=bad))
+    with pytest.raises(UsageError, match="not KEY=VALUE"):
+        parse_policy_spec("epikv2:period")

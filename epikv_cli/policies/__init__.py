@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .base import Policy
 from .baselines import FullCache, RandomEviction, Streaming
 from .epikv import EpiKV
+from .epikv2 import EpiKV2
 from .h2o import H2O
 from .knorm import KeyNorm
 from .lagkv import LagKV
@@ -20,8 +21,24 @@ if TYPE_CHECKING:
     from ..settings import CacheSettings
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (EpiKV, LagKV, Streaming, RandomEviction, FullCache, H2O, TOVA, RKV, KeyNorm)
+    cls.name: cls for cls in (EpiKV, EpiKV2, LagKV, Streaming, RandomEviction, FullCache, H2O, TOVA, RKV, KeyNorm)
 }
+
+
+def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``"epikv2:period=32:decay=0.9"`` -> ``("epikv2", (("period", "32"), ("decay", "0.9")))``."""
+    from ..errors import UsageError
+
+    name, *pairs = text.strip().split(":")
+    if name not in POLICIES:
+        raise UsageError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+    options = []
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals or not key or not value:
+            raise UsageError(f"policy option {pair!r} in {text.strip()!r} is not KEY=VALUE")
+        options.append((key, value))
+    return name, tuple(options)
 
 
 def make_policy(settings: CacheSettings) -> Policy:
@@ -32,6 +49,6 @@ def make_policy(settings: CacheSettings) -> Policy:
 
 
 __all__ = [
-    "POLICIES", "Policy", "make_policy", "EpiKV", "LagKV", "Streaming", "RandomEviction", "FullCache", "H2O", "TOVA",
+    "POLICIES", "Policy", "make_policy", "parse_policy_spec", "EpiKV", "EpiKV2", "LagKV", "Streaming", "RandomEviction", "FullCache", "H2O", "TOVA",
     "RKV", "KeyNorm",
 ]

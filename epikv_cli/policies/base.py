@@ -60,6 +60,8 @@ class Policy(ABC):
     uses_recent: ClassVar[bool] = True
     attention_needs: ClassVar[AttentionNeeds | None] = None
     slack: ClassVar[int] = 0
+    #: tunable options (``--policies NAME:key=value``): name -> type of the value
+    OPTIONS: ClassVar[dict[str, type]] = {}
     recent: int = 0
     recent_follows_budget: bool = False
 
@@ -82,6 +84,21 @@ class Policy(ABC):
     def default_recent(budget: int) -> int:
         """R when ``--recent`` is not given: ``min(128, K // 4)`` (METHOD.md)."""
         return default_recent(budget)
+
+    @classmethod
+    def options_from(cls, settings: CacheSettings) -> dict:
+        """``settings.options`` as keyword arguments, each converted to its declared type."""
+        values = {}
+        for key, text in settings.options:
+            if key not in cls.OPTIONS:
+                known = ", ".join(cls.OPTIONS) or "none"
+                raise UsageError(f"policy {cls.name!r} has no option {key!r} (its options: {known})")
+            try:
+                values[key] = cls.OPTIONS[key](text)
+            except ValueError:
+                kind = {int: "a whole number", float: "a number"}.get(cls.OPTIONS[key], "text")
+                raise UsageError(f"policy {cls.name!r}: option {key}={text!r} must be {kind}") from None
+        return values
 
     @classmethod
     def recent_from(cls, settings: CacheSettings) -> int:

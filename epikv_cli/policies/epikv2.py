@@ -1,0 +1,114 @@
+"""EpiKV-2: heavy hitters measured from a few recent queries, on any attention kernel.
+
+The published EpiKV score freezes a hidden-state statistic at entry, and measured on real models it
+keeps the cache further from the full one than keeping the most recent tokens. What does keep a
+model close is what H2O measures: the attention each cached token receives. EpiKV-2 measures it
+without the kernel's weights: each evicting layer keeps its last ``period`` query vectors (after
+RoPE), and every ``period`` steps their attention to the cached keys is computed beside the kernel
+(one small matmul per layer) and added to each token's running score, older contributions decayed.
+Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then the highest scores;
+the prompt is scored like everything else. State: one float per token and ``period`` queries per
+layer; the per-step work is one query copy per layer, and every ``period`` steps one
+``[queries x K]`` product per layer.
+
+Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
+else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
+(``score`` or ``keep``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..attention import AttentionNeeds
+from ..errors import UsageError
+from ..settings import CacheSettings
+from .base import Policy, Signals, lowest
+from .keep_scored import ScoreBook
+
+if TYPE_CHECKING:
+    from ..cache import BudgetCache
+
+
+def received_attention(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """``[n]``: attention each key receives from the queries, summed over queries, mean over query heads.
+
+    Args:
+        queries: ``[heads, w, dim]`` (after RoPE); keys: ``[kv_heads, n, dim]`` in slot order.
+        query_positions: ``[w]`` and key_positions: ``[n]`` logical positions (a query sees keys at or before it).
+    """
+    heads, w, dim = queries.shape
+    kv_heads, n = keys.shape[0], keys.shape[1]
+    logits = torch.matmul(queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2))
+    logits = logits.view(heads, w, n) / math.sqrt(dim)
+    visible = key_positions.to(keys.device)[None, :] <= query_positions.to(keys.device)[:, None]  # [w, n]
+    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+    return weights.sum(dim=1).mean(dim=0)
+
+
+class EpiKV2(Policy):
+    """Sinks, a recent share of the budget, then the most attention received from recent queries."""
+
+    name = "epikv2"
+    protects_prompt = False
+    uses_recent = False
+    OPTIONS: ClassVar[dict[str, type]] = {"sinks": int, "recent": float, "period": int, "decay": float, "prompt": str}
+
+    def __init__(self, budget: int, sinks: int = 4, recent: float = 0.25, period: int = 16, decay: float = 1.0, prompt: str = "score") -> None:
+        if sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep"):
+            raise UsageError(
+                "epikv2 options: sinks >= 0, period >= 1, 0 < decay <= 1, recent >= 0 (a share of K below 1, else tokens), "
+                "prompt score|keep"
+            )
+        self.sinks = sinks
+        self.recent = int(round(recent * budget)) if recent < 1 else int(recent)
+        self.period = period
+        self.decay = decay
+        self.keep_prompt = prompt == "keep"
+        self.attention_needs = AttentionNeeds(queries=period)
+        self.received = ScoreBook()
+        self._decode_steps = 0
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> EpiKV2:
+        return cls(settings.budget or 0, **cls.options_from(settings))
+
+    def observe(self, signals: Signals) -> None:
+        """At the prefill and every ``period`` steps: add the stored queries' attention to each token's score."""
+        if not signals.prompt:
+            self._decode_steps += 1
+            if self._decode_steps % self.period:
+                return
+        cache, record = signals.cache, signals.attention
+        positions = cache.live_positions()
+        seen = cache.seen
+        total = None
+        for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):
+            queries = record.queries[index]
+            query_positions = torch.arange(seen - queries.shape[1], seen)
+            part = received_attention(queries, layer.live()[0][0], query_positions, positions).cpu()
+            total = part if total is None else total + part
+        if self.decay < 1:
+            current = self.received.gather(positions)
+            self.received.add(positions, torch.nan_to_num(current, nan=0.0) * (self.decay - 1))
+        self.received.add(positions, total / len(cache.budget_layers))
+
+    def min_budget(self, prompt_len: int) -> int:
+        kept = self.sinks + self.recent + (prompt_len if self.keep_prompt else 0)
+        return kept + 1
+
+    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
+        what = f"{self.sinks} sink tokens and a {self.recent}-token recent window"
+        if self.keep_prompt:
+            what += f" and the {prompt_len}-token prompt"
+        return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
+
+    def select(self, cache: BudgetCache, count: int) -> list[int]:
+        positions = cache.live_positions()
+        floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
+        candidates = (positions >= floor) & (positions < cache.seen - self.recent)
+        scores = torch.nan_to_num(self.received.gather(positions), nan=0.0)
+        return lowest(scores, positions, candidates, count)
