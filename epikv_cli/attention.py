@@ -49,13 +49,14 @@ class AttentionNeeds:
 
 @dataclass
 class AttentionRecord:
-    """Per evicting layer, what the latest forward's attention showed. Key index ``j`` is cache slot ``j``.
+    """Per evicting layer, what the latest forward's attention showed, for every sequence of the batch.
+    Key index ``j`` is cache slot ``j`` (slots beyond a row's stored length are padding).
 
     Attributes:
-        received: layer -> ``[kv_len]`` float32, attention received, summed over this forward's
+        received: layer -> ``[batch, kv_len]`` float32, attention received, summed over this forward's
             queries, mean over query heads.
-        last_row: layer -> ``[kv_len]`` float32, the last query's attention, mean over query heads.
-        queries: layer -> ``[heads, <= N, head_dim]``, the last N query vectors (kept across forwards).
+        last_row: layer -> ``[batch, kv_len]`` float32, the last query's attention, mean over query heads.
+        queries: layer -> ``[batch, heads, <= N, head_dim]``, the last N query vectors (kept across forwards).
     """
 
     received: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -66,6 +67,18 @@ class AttentionRecord:
     def layer_mean(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
         """``[kv_len]`` float32 on the CPU: the mean over layers of slot-indexed vectors."""
         return torch.stack([vector.float().cpu() for vector in per_layer.values()]).mean(dim=0)
+
+    def row(self, index: int, stored: int) -> AttentionRecord:
+        """One sequence's record, cut to its ``stored`` slots: ``[kv_len]`` vectors and ``[heads, w, dim]`` queries."""
+        return AttentionRecord(
+            {layer: v[index, :stored] for layer, v in self.received.items()},
+            {layer: v[index, :stored] for layer, v in self.last_row.items()},
+            {layer: q[index] for layer, q in self.queries.items()},
+        )
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows ``keep`` (queries persist across forwards, so they follow the batch)."""
+        self.queries = {layer: q[keep] for layer, q in self.queries.items()}
 
     def clear_forward(self) -> None:
         """Drop what belongs to one forward only (queries persist)."""
@@ -84,23 +97,23 @@ def attention_rows(
     """Softmax attention of some query rows, in float32.
 
     Args:
-        query: ``[1, heads, q, dim]``; key: ``[1, kv_heads, n, dim]`` (grouped-query attention allowed).
-        attention_mask: ``[1, 1, q, n]`` boolean (True attends) or additive float, or None (causal
+        query: ``[batch, heads, q, dim]``; key: ``[batch, kv_heads, n, dim]`` (grouped-query attention allowed).
+        attention_mask: ``[batch, 1, q, n]`` boolean (True attends) or additive float, or None (causal
             when q > 1: query i sees keys up to ``n - q + i``).
         rows: which of the q query rows.
     Returns:
-        ``[heads, r, n]`` attention weights of those rows.
+        ``[batch, heads, r, n]`` attention weights of those rows.
     """
-    heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
+    batch, heads, q_len, dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
-    q = query[0, :, rows].float()
-    r = q.shape[1]
-    grouped = q.view(kv_heads, heads // kv_heads, r, dim)
-    scores = torch.matmul(grouped, key[0].float().unsqueeze(1).transpose(-1, -2)).view(heads, r, n) * scaling
+    q = query[:, :, rows].float()
+    r = q.shape[2]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, r, dim)
+    scores = torch.matmul(grouped, key.float().unsqueeze(2).transpose(-1, -2)).view(batch, heads, r, n) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
-        mask = attention_mask[0, :, rows, :n]
+        mask = attention_mask[:, :, rows, :n]
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     elif q_len > 1:
         first = rows.start or 0
@@ -154,26 +167,26 @@ class AttentionTaps:
         needs = self.needs
         if needs.queries:
             kept = self.record.queries.get(layer)
-            fresh = query[0].detach()
-            joined = fresh if kept is None else torch.cat([kept, fresh], dim=1)
-            self.record.queries[layer] = joined[:, -needs.queries :].clone()
+            fresh = query.detach()
+            joined = fresh if kept is None else torch.cat([kept, fresh], dim=2)
+            self.record.queries[layer] = joined[:, :, -needs.queries :].clone()
         if not needs.weights:
             return
         q_len = query.shape[2]
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         softcap = kwargs.get("softcap")
 
-        def rows(part: slice) -> torch.Tensor:
+        def rows(part: slice) -> torch.Tensor:  # [batch, heads, r, n]
             if weights is not None:
-                return weights[0, :, part].float()
+                return weights[:, :, part].float()
             return attention_rows(query, key, attention_mask, scaling, part, softcap)
 
         if needs.last_row:
-            self.record.last_row[layer] = rows(slice(q_len - 1, q_len))[:, 0].mean(dim=0)
+            self.record.last_row[layer] = rows(slice(q_len - 1, q_len))[:, :, 0].mean(dim=1)
         if needs.received:
             total = None
             for start in range(0, q_len, QUERY_CHUNK):
-                part = rows(slice(start, min(start + QUERY_CHUNK, q_len))).sum(dim=1).mean(dim=0)
+                part = rows(slice(start, min(start + QUERY_CHUNK, q_len))).sum(dim=2).mean(dim=1)
                 total = part if total is None else total + part
             self.record.received[layer] = total
 

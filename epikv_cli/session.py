@@ -99,7 +99,8 @@ class EpiKVSession:
                 "drop prefill_chunk_size, and start a new cache for each conversation turn"
             )
         record = self.attention.record if self.attention is not None else None
-        self.policy.observe(Signals(appended, prompt, self.taps.outputs, record, self.cache))
+        row = record.row(0, self.cache.stored) if record is not None else None
+        self.policy.observe(Signals(appended, prompt, self.taps.outputs, row, self.cache))
         self.taps.clear()
         if record is not None:
             record.clear_forward()

@@ -29,7 +29,7 @@ def test_rows_match_plain_softmax_for_every_mask_form(kv_heads):
     as_bool = (causal == 0)[None, None]
     for mask in (None, as_bool, causal[None, None]):  # None: causal from the shapes
         got = attention_rows(query, key, mask, 8**-0.5, slice(1, 4))
-        assert torch.allclose(got, expected[:, 1:4], atol=1e-6)
+        assert torch.allclose(got[0], expected[:, 1:4], atol=1e-6)
 
 
 def run_taps(model, ids, needs):
@@ -56,9 +56,9 @@ def test_taps_beside_sdpa_equal_eager_weights(arch):
     with torch.no_grad():
         weights = eager(ids, output_attentions=True).attentions  # per layer [1, heads, q, n]
     for layer, w in enumerate(weights):
-        assert torch.allclose(record.received[layer], w[0].sum(dim=1).mean(dim=0), atol=1e-4)
-        assert torch.allclose(record.last_row[layer], w[0, :, -1].mean(dim=0), atol=1e-6)
-        assert record.queries[layer].shape == (model.config.num_attention_heads, 8, 8)  # [heads, last 8, head_dim]
+        assert torch.allclose(record.received[layer][0], w[0].sum(dim=1).mean(dim=0), atol=1e-4)
+        assert torch.allclose(record.last_row[layer][0], w[0, :, -1].mean(dim=0), atol=1e-6)
+        assert record.queries[layer].shape == (1, model.config.num_attention_heads, 8, 8)  # [batch, heads, last 8, head_dim]
 
 
 def test_eager_kernel_weights_are_used_as_they_are():
@@ -68,4 +68,4 @@ def test_eager_kernel_weights_are_used_as_they_are():
     with torch.no_grad():
         weights = model(ids, output_attentions=True).attentions
     assert model.config._attn_implementation == "eager"
-    assert all(torch.equal(record.last_row[i], w[0, :, -1].float().mean(dim=0)) for i, w in enumerate(weights))
+    assert all(torch.equal(record.last_row[i][0], w[0, :, -1].float().mean(dim=0)) for i, w in enumerate(weights))

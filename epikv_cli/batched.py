@@ -1,0 +1,168 @@
+"""Decode many sequences in one forward per step, each under its own policy and budget.
+
+A sequence joins with :meth:`BatchDecoder.add`: its prompt is prefilled alone (a single-sequence
+session, so prefill-time signals such as H2O's column sums are exactly those of a lone run), then
+its cache, positions and policy state move into one row of a :class:`~epikv_cli.rows.RowsCache`.
+:meth:`BatchDecoder.step` feeds one token per row in a single forward and lets each row's policy
+observe and evict; :meth:`BatchDecoder.keep` drops finished rows so a queue can refill the batch.
+Rows never see each other: each has its own mask over its own slots and its own logical positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionNeeds, AttentionTaps
+from .engine import CacheStream, input_device
+from .policies import make_policy
+from .policies.base import Signals
+from .rows import FULL, SLIDING, RowsCache, RowView
+from .settings import CacheSettings
+from .taps import HiddenStateTaps, decoder_blocks
+
+
+def union_needs(needs: list[AttentionNeeds | None]) -> AttentionNeeds | None:
+    """What to compute for a batch whose rows need ``needs``."""
+    present = [n for n in needs if n is not None]
+    if not present:
+        return None
+    return AttentionNeeds(
+        received=any(n.received for n in present), last_row=any(n.last_row for n in present),
+        queries=max(n.queries for n in present),
+    )
+
+
+class BatchDecoder:
+    """One model, many sequences, one forward per step.
+
+    Args:
+        model: a loaded causal LM.
+        settings: the cache settings the rows will use (to tap what their policies read).
+    """
+
+    def __init__(self, model, settings: list[CacheSettings]) -> None:
+        self.model = model
+        self.cache = RowsCache(model.config)
+        self.device = input_device(model)
+        self.dtype = next(model.parameters()).dtype
+        layers = len(decoder_blocks(model))
+        calibration = getattr(model, "epikv_calibration", None)
+        probes = []
+        for setting in settings:
+            policy = make_policy(setting)
+            policy.setup(layers, calibration)
+            probes.append(policy)
+        self.taps = HiddenStateTaps(model, sorted({layer for p in probes for layer in p.tap_layers()}))
+        self.taps.active = False
+        self.needs = union_needs([p.attention_needs for p in probes])
+        self.attention = AttentionTaps(model, self.cache.full_layer_indices, self.needs) if self.needs else None
+        if self.attention is not None:
+            self.attention.set_active(False)
+        self.sliding = SLIDING in self.cache.groups
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    def row(self, index: int) -> RowView:
+        return RowView(self.cache, index)
+
+    def add(self, ids: torch.Tensor, settings: CacheSettings, max_tokens: int | None = None) -> torch.Tensor:
+        """Prefill ``ids`` ``[1, n]`` alone under ``settings`` and join the batch; return the ``[vocab]`` logits."""
+        stream = CacheStream(self.model, settings, max_tokens=max_tokens)
+        try:
+            logits = stream.feed(ids)
+            policy = stream.session.policy
+            needs = policy.attention_needs
+            self.cache.adopt(stream.cache, settings, policy, needs.queries if needs else 0)
+            if self.attention is not None and self.needs.queries:
+                self._join_queries(stream)
+        finally:
+            stream.close()  # its hooks go; its policy lives on in the row
+        return logits
+
+    def _join_queries(self, stream: CacheStream) -> None:
+        """Append the new row's last queries (from its prefill) to the batch's query store, padded at the front."""
+        record = self.attention.record
+        own = stream.session.attention.record.queries if stream.session.attention is not None else {}
+        text = self.model.config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        width = self.needs.queries
+        for layer in self.cache.full_layer_indices:
+            template = record.queries.get(layer)
+            fresh = own.get(layer)
+            if fresh is None:  # this row's policy reads no queries: zeros keep the shapes
+                fresh = torch.zeros((1, heads, width, head_dim), dtype=self.dtype, device=self.device)
+            if fresh.shape[2] < width:
+                fresh = torch.nn.functional.pad(fresh, (0, 0, width - fresh.shape[2], 0))
+            record.queries[layer] = fresh if template is None else torch.cat([template, fresh.to(template.device)])
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[B]`` (one per row); return the ``[B, vocab]`` logits; every row observes and evicts."""
+        positions, masks = self.cache.begin_step(self.dtype, self.device)
+        mask = {"full_attention": masks[FULL], "sliding_attention": masks[SLIDING]} if self.sliding else masks[FULL]
+        kwargs = {"logits_to_keep": 1}
+        if self.attention is not None and self.attention.returns_weights:
+            kwargs["output_attentions"] = True
+        self._set_taps(True)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=tokens.view(-1, 1).to(self.device), cache=self.cache, position_ids=positions,
+                    attention_mask=mask, use_cache=True, **kwargs,
+                )
+        finally:
+            self._set_taps(False)
+        self.cache.end_step()
+        self._observe_and_evict()
+        return out.logits[:, -1]
+
+    def _set_taps(self, active: bool) -> None:
+        self.taps.active = active
+        if self.attention is not None:
+            self.attention.set_active(active)
+
+    def _observe_and_evict(self) -> None:
+        record = self.attention.record if self.attention is not None else None
+        plans: dict[str, list[tuple[int, list[int]]]] = {FULL: [], SLIDING: []}
+        for index, row in enumerate(self.cache.rows):
+            view = RowView(self.cache, index)
+            seen = row.full.seen
+            hidden = {layer: states[index : index + 1] for layer, states in self.taps.outputs.items()}
+            attention = record.row(index, row.full.stored) if record is not None else None
+            if attention is not None and row.queries_needed:
+                attention.queries = {layer: q[:, -row.queries_needed :] for layer, q in attention.queries.items()}
+            row.policy.observe(Signals(range(seen - 1, seen), False, hidden, attention, view))
+            row.peak_stored = max(row.peak_stored, row.full.stored)
+            over = max(0, row.full.stored - row.budget) if row.budget is not None else 0
+            slots = row.policy.select(view, over) if over else []
+            row.last_evicted = row.full.positions[slots].tolist() if slots else []
+            row.evicted_total += len(slots)
+            if slots:
+                plans[FULL].append((index, slots))
+            if self.sliding and row.tables[SLIDING].stored > self.cache.window - 1:
+                oldest = int(torch.argmin(row.tables[SLIDING].live_positions()))
+                plans[SLIDING].append((index, [oldest]))
+        self.taps.clear()
+        if record is not None:
+            record.clear_forward()
+        self.cache.evict(plans)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order), e.g. after sequences finished."""
+        self.cache.keep_rows(rows)
+        if self.attention is not None:
+            self.attention.record.select_rows(torch.tensor(rows, dtype=torch.long))
+
+    def close(self) -> None:
+        self.taps.remove()
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
+
+    def __enter__(self) -> BatchDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

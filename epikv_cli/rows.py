@@ -1,0 +1,274 @@
+"""Many sequences decoded side by side, each with its own slots, positions, budget and keep-set.
+
+A :class:`RowsCache` holds B rows. Every layer keeps ``[B, kv_heads, capacity, head_dim]`` buffers in
+which each row's live entries are compact (slots ``0 .. stored_b - 1``, shorter rows padded); an
+attention mask hides the padding. Rows join already prefilled (a single-sequence session hands over
+its cache, policy state and queries) and leave when their sequence ends, so the batch can be kept
+full from a queue. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry
+leaves once a row holds ``window - 1``.
+
+Each step every row takes one token; the policies see each row through a :class:`RowView`, which
+looks to them exactly like a single-sequence :class:`~epikv_cli.cache.BudgetCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .cache import BudgetCache, BudgetLayer, SlotTable
+from .errors import UsageError
+from .policies import Policy
+from .settings import CacheSettings
+
+FULL, SLIDING = "full", "sliding"
+
+
+@dataclass
+class Row:
+    """One sequence of the batch: its slot tables per layer group, its policy and its counters."""
+
+    settings: CacheSettings
+    policy: Policy
+    budget: int | None
+    tables: dict[str, SlotTable]
+    queries_needed: int = 0
+    evicted_total: int = 0
+    peak_stored: int = 0
+    last_evicted: list[int] = field(default_factory=list)
+
+    @property
+    def full(self) -> SlotTable:
+        return self.tables[FULL]
+
+
+class RowsLayer(CacheLayerMixin):
+    """One decoder layer for every row: writes each row's new entry at its own next slot."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, group: str, owner: RowsCache) -> None:
+        super().__init__()
+        self.group = group
+        self.owner = owner
+        self.is_sliding = group == SLIDING
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
+        raise RuntimeError("rows join a RowsCache through RowsCache.adopt")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[B, kv_heads, 1, head_dim]`` at each row's next slot; return ``[B, kv_heads, L, head_dim]``."""
+        if key_states.shape[-2] != 1:
+            raise UsageError("batched decoding feeds one token per row and step; prompts join through adopt()")
+        slots, length = self.owner.step_slots[self.group], self.owner.step_lengths[self.group]
+        rows = torch.arange(key_states.shape[0], device=self.keys.device)
+        self.keys[rows, :, slots] = key_states[:, :, 0]
+        self.values[rows, :, slots] = value_states[:, :, 0]
+        return self.keys[:, :, :length], self.values[:, :, :length]
+
+    def get_seq_length(self) -> int:
+        return max((row.full.seen for row in self.owner.rows), default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # masks are always given explicitly
+        return self.owner.step_lengths.get(self.group, query_length), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RowsCache(Cache):
+    """The batch's cache. Build it empty, then :meth:`adopt` prefilled sequences."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        groups = []
+        for index, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                groups.append(FULL)
+            elif kind in ("sliding_attention", "chunked_attention"):
+                groups.append(SLIDING)
+            else:
+                raise UsageError(f"layer {index} is a {kind!r} layer; batched decoding supports full and sliding attention only")
+        self.groups = groups
+        self.window = next((kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None)
+        super().__init__(layers=[RowsLayer(group, self) for group in groups])
+        self.full_layer_indices = [i for i, group in enumerate(groups) if group == FULL]
+        self.rows: list[Row] = []
+        self.step_slots: dict[str, torch.Tensor] = {}
+        self.step_lengths: dict[str, int] = {}
+
+    # -- rows joining and leaving ---------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
+        """Room for one more row holding ``length`` entries (capacity doubles when short)."""
+        heads, dim = template.shape[1], template.shape[-1]
+        if layer.keys is None:
+            shape = (0, heads, max(length, 16), dim)
+            layer.keys, layer.values = template.new_zeros(shape), template.new_zeros(shape)
+        capacity = layer.keys.shape[2]
+        if length > capacity:
+            grown = max(length, 2 * capacity)
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, grown - capacity))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, grown - capacity))
+        pad = torch.zeros((1, heads, layer.keys.shape[2], dim), dtype=layer.keys.dtype, device=layer.keys.device)
+        layer.keys = torch.cat([layer.keys, pad])
+        layer.values = torch.cat([layer.values, pad.clone()])
+        layer.is_initialized = True
+
+    def adopt(self, source: BudgetCache, settings: CacheSettings, policy: Policy, queries_needed: int = 0) -> int:
+        """Add a row from a prefilled single-sequence cache (its entries, positions and policy); return its index."""
+        tables: dict[str, SlotTable] = {}
+        for index, (group, layer) in enumerate(zip(self.groups, self.layers)):
+            origin = source.layers[index]
+            if isinstance(origin, BudgetLayer):
+                keys, values = origin.live()
+            else:  # transformers' sliding-window layer: the last window - 1 entries
+                keys, values = origin.keys, origin.values
+            self._ensure(layer, keys, keys.shape[2] + 1)
+            layer.keys[-1, :, : keys.shape[2]] = keys[0]
+            layer.values[-1, :, : values.shape[2]] = values[0]
+            if group not in tables:
+                tables[group] = _table_for(source, group, keys.shape[2])
+        budget = source.budget
+        self.rows.append(Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored))
+        return len(self.rows) - 1
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drop every row not in ``keep`` (finished sequences), in that order."""
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self.layers:
+            if layer.keys is not None:
+                where = index.to(layer.keys.device)
+                layer.keys, layer.values = layer.keys[where], layer.values[where]
+        self.rows = [self.rows[i] for i in keep]
+
+    # -- one decoding step ------------------------------------------------------------------------
+    def begin_step(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Reserve each row's next slot; return ``position_ids [B, 1]`` and a ``[B, 1, 1, L]`` additive mask per group."""
+        masks = {}
+        for group in set(self.groups):
+            stored = torch.tensor([row.tables[group].stored for row in self.rows])
+            length = int(stored.max()) + 1
+            for layer in self.layers:
+                if layer.group == group and length > layer.keys.shape[2]:
+                    grown = max(length, 2 * layer.keys.shape[2])
+                    extra = grown - layer.keys.shape[2]
+                    layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
+                    layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
+            self.step_slots[group] = stored.to(device)
+            self.step_lengths[group] = length
+            visible = torch.arange(length)[None, :] <= stored[:, None]
+            mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
+            masks[group] = mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min).to(device)
+        positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
+        return torch.tensor(positions, device=device).unsqueeze(1), masks
+
+    def end_step(self) -> None:
+        """Record the entries the step appended (one per row and group)."""
+        for row in self.rows:
+            for table in row.tables.values():
+                table.append(1)
+            row.full.committed = row.full.seen
+
+    def evict(self, plans: dict[str, list[tuple[int, list[int]]]]) -> None:
+        """Drop, per group, ``(row, slots)`` pairs: holes are filled by each row's newest entries."""
+        for group, pairs in plans.items():
+            rows, holes, movers = [], [], []
+            for row_index, slots in pairs:
+                hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
+                rows += [row_index] * len(hole)
+                holes += hole
+                movers += mover
+            if not holes:
+                continue
+            for layer in self.layers:
+                if layer.group != group:
+                    continue
+                r = torch.tensor(rows, device=layer.keys.device)
+                h, m = torch.tensor(holes, device=layer.keys.device), torch.tensor(movers, device=layer.keys.device)
+                layer.keys[r, :, h] = layer.keys[r, :, m]
+                layer.values[r, :, h] = layer.values[r, :, m]
+
+    def kv_bytes(self, row: int) -> int:
+        """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
+        total = 0
+        for group, layer in zip(self.groups, self.layers):
+            per_entry = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            total += per_entry * self.rows[row].tables[group].stored
+        return total
+
+
+def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
+    """The slot table of a joining row: a copy of the budget table, or the last ``count`` positions (sliding)."""
+    if group == FULL and source.budget_layer_indices:
+        table = SlotTable(max(count, 1))
+        origin = source.table
+        table.positions[:count] = origin.positions[:count]
+        table.stored, table.seen, table.committed, table.prompt_len = origin.stored, origin.seen, origin.committed, origin.prompt_len
+        return table
+    seen = source.seen
+    table = SlotTable(max(count, 1))
+    table.positions[:count] = torch.arange(seen - count, seen)
+    table.stored, table.seen, table.committed, table.prompt_len = count, seen, seen, source.prompt_len
+    return table
+
+
+class RowView:
+    """One row of a :class:`RowsCache` with the interface policies use on a :class:`BudgetCache`."""
+
+    def __init__(self, cache: RowsCache, index: int) -> None:
+        self.cache = cache
+        self.index = index
+        self.row = cache.rows[index]
+
+    def live_positions(self) -> torch.Tensor:
+        return self.row.full.live_positions()
+
+    @property
+    def stored(self) -> int:
+        return self.row.full.stored
+
+    @property
+    def seen(self) -> int:
+        return self.row.full.seen
+
+    @property
+    def prompt_len(self) -> int:
+        return self.row.full.prompt_len or 0
+
+    @property
+    def budget(self) -> int | None:
+        return self.row.budget
+
+    @property
+    def evicted_total(self) -> int:
+        return self.row.evicted_total
+
+    @property
+    def budget_layer_indices(self) -> list[int]:
+        return self.cache.full_layer_indices
+
+    @property
+    def budget_layers(self) -> list[_LayerRow]:
+        return [_LayerRow(self.cache.layers[i], self.index, self.stored) for i in self.cache.full_layer_indices]
+
+
+class _LayerRow:
+    """One layer of one row: ``live()`` gives its ``[1, kv_heads, stored, head_dim]`` keys and values (views)."""
+
+    def __init__(self, layer: RowsLayer, index: int, stored: int) -> None:
+        self.keys = layer.keys
+        self._layer, self._index, self._stored = layer, index, stored
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        i, n = self._index, self._stored
+        return self._layer.keys[i : i + 1, :, :n], self._layer.values[i : i + 1, :, :n]
