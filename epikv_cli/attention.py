@@ -145,6 +145,8 @@ class AttentionTaps:
             model.set_attn_implementation(TAP_PREFIX + model._epikv_tap_base)
         model._epikv_tap_users = users + 1
         self.base = model._epikv_tap_base
+        #: batch rows whose policies read weights (None: all); the others get zeros, computed for nobody
+        self.weight_rows: torch.Tensor | None = None
         self.set_active(True)
 
     def set_active(self, active: bool) -> None:
@@ -175,20 +177,34 @@ class AttentionTaps:
         q_len = query.shape[2]
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         softcap = kwargs.get("softcap")
+        batch = query.shape[0]
+        subset = self.weight_rows
+        if subset is not None:
+            subset = subset.to(query.device)
+            query, key = query[subset], key[subset]
+            attention_mask = attention_mask[subset] if attention_mask is not None else None
+            weights = weights[subset] if weights is not None else None
 
         def rows(part: slice) -> torch.Tensor:  # [batch, heads, r, n]
             if weights is not None:
                 return weights[:, :, part].float()
             return attention_rows(query, key, attention_mask, scaling, part, softcap)
 
+        def place(values: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [batch, n]
+            if subset is None:
+                return values
+            full = values.new_zeros((batch, values.shape[-1]))
+            full[subset] = values
+            return full
+
         if needs.last_row:
-            self.record.last_row[layer] = rows(slice(q_len - 1, q_len))[:, :, 0].mean(dim=1)
+            self.record.last_row[layer] = place(rows(slice(q_len - 1, q_len))[:, :, 0].mean(dim=1))
         if needs.received:
             total = None
             for start in range(0, q_len, QUERY_CHUNK):
                 part = rows(slice(start, min(start + QUERY_CHUNK, q_len))).sum(dim=2).mean(dim=1)
                 total = part if total is None else total + part
-            self.record.received[layer] = total
+            self.record.received[layer] = place(total)
 
     def remove(self) -> None:
         """Stop recording; the last session to leave gives the model its own kernel back."""

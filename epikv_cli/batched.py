@@ -75,6 +75,7 @@ class BatchDecoder:
             policy = stream.session.policy
             needs = policy.attention_needs
             self.cache.adopt(stream.cache, settings, policy, needs.queries if needs else 0)
+            self.cache.rows[-1].last_evicted = list(stream.session.last.evicted)  # what the prefill itself evicted
             if self.attention is not None and self.needs.queries:
                 self._join_queries(stream)
         finally:
@@ -101,6 +102,9 @@ class BatchDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` (one per row); return the ``[B, vocab]`` logits; every row observes and evicts."""
         positions, masks = self.cache.begin_step(self.dtype, self.device)
+        if self.attention is not None and self.needs.weights:  # weights only for the rows whose policies read them
+            readers = [i for i, row in enumerate(self.cache.rows) if row.policy.attention_needs and row.policy.attention_needs.weights]
+            self.attention.weight_rows = None if len(readers) == self.batch else torch.tensor(readers, dtype=torch.long)
         mask = {"full_attention": masks[FULL], "sliding_attention": masks[SLIDING]} if self.sliding else masks[FULL]
         kwargs = {"logits_to_keep": 1}
         if self.attention is not None and self.attention.returns_weights:

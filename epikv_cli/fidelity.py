@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .engine import CacheStream
+from .batched import BatchDecoder
 from .errors import EXIT_INTERRUPTED, UsageError
-from .policies import parse_policy_spec
+from .policies import make_policy, parse_policy_spec
 from .problems import Problem, protocol_ids
 from .settings import CacheSettings
 
@@ -123,54 +123,46 @@ def kept_age(cache, prompt_len: int) -> float | None:
 def replay(model, ids: torch.Tensor, configs: list[Config], new_tokens: int, advance=lambda: None) -> tuple[list[int], list[dict]]:
     """Reference tokens of one prompt and, per config, its agreement with the full cache.
 
-    A config whose budget cannot hold this prompt gets ``{"error": ...}`` instead of numbers.
+    The full-cache reference and every config are rows of one batch, fed the same token each step
+    (one forward per step for all of them). A config whose budget cannot hold this prompt gets
+    ``{"error": ...}`` instead of numbers.
     """
     prompt_len = ids.shape[1]
     total = prompt_len + new_tokens
     results: list[dict] = []
-    streams: list[tuple[int, CacheStream, Agreement]] = []
-    reference = CacheStream(model, CacheSettings(budget=None, policy="full"), max_tokens=total)
-    try:
-        for index, config in enumerate(configs):
-            row = {"policy": config.policy, "budget": config.budget.text}
-            results.append(row)
-            try:
-                settings = config.settings(prompt_len)
-                row["budget_tokens"] = settings.budget
-                stream = CacheStream(model, settings, max_tokens=total)
-            except UsageError as error:
-                row["error"] = str(error)
-                continue
-            try:
-                stream.session.policy.check_budget(prompt_len, settings.budget)
-            except UsageError as error:
-                stream.close()
-                row["error"] = str(error)
-                continue
-            streams.append((index, stream, Agreement()))
-        logits = reference.feed(ids)
-        per_stream = [stream.feed(ids) for _, stream, _ in streams]
+    runnable: list[tuple[int, CacheSettings]] = []
+    for index, config in enumerate(configs):
+        row = {"policy": config.policy, "budget": config.budget.text}
+        results.append(row)
+        try:
+            settings = config.settings(prompt_len)
+            row["budget_tokens"] = settings.budget
+            make_policy(settings).check_budget(prompt_len, settings.budget)
+        except UsageError as error:
+            row["error"] = str(error)
+            continue
+        runnable.append((index, settings))
+    reference_settings = CacheSettings(budget=None, policy="full")
+    with BatchDecoder(model, [reference_settings] + [s for _, s in runnable]) as decoder:
+        logits = torch.stack([decoder.add(ids, reference_settings, total)] + [decoder.add(ids, s, total) for _, s in runnable])
+        agreements = [Agreement() for _ in runnable]
         tokens: list[int] = []
         for step in range(new_tokens):
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            log_probs = torch.log_softmax(logits[0].float(), dim=-1)
             token = int(log_probs.argmax())
             tokens.append(token)
-            for (_, stream, agreement), policy_logits in zip(streams, per_stream):
-                filled = stream.cache.evicted_total > len(stream.session.last.evicted)  # evicted before these logits
-                agreement.add(log_probs, policy_logits, token, filled)
+            for row, agreement in enumerate(agreements, start=1):
+                state = decoder.cache.rows[row]
+                filled = state.evicted_total > len(state.last_evicted)  # evicted before these logits
+                agreement.add(log_probs, logits[row], token, filled)
             advance()
             if step == new_tokens - 1:
                 break
-            fed = torch.tensor([[token]])
-            logits = reference.feed(fed)
-            per_stream = [stream.feed(fed) for _, stream, _ in streams]
-        for index, stream, agreement in streams:
-            results[index].update(agreement.summary(), evicted=stream.cache.evicted_total, kept_age=kept_age(stream.cache, prompt_len))
-        return tokens, results
-    finally:
-        reference.close()
-        for _, stream, _ in streams:
-            stream.close()
+            logits = decoder.step(torch.full((decoder.batch,), token))
+        for row, ((index, _), agreement) in enumerate(zip(runnable, agreements), start=1):
+            view = decoder.row(row)
+            results[index].update(agreement.summary(), evicted=view.evicted_total, kept_age=kept_age(view, prompt_len))
+    return tokens, results
 
 
 METRICS = ("kl_after_full", "kl_all", "top1_after_full", "top1_all", "perplexity", "kept_age")

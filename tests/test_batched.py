@@ -100,3 +100,21 @@ def test_rows_leave_and_join_without_disturbing_the_others():
             logits = decoder.step(torch.tensor([done[owner][-1] for owner in owners]))
             step += 1
     assert done[0] == expected[0][0][:30] and done[1] == expected[1][0] and done[2] == expected[2][0]
+
+
+def test_rows_with_different_policies_and_budgets_in_one_batch():
+    """Attention weights are computed only for the rows that read them; every row still equals its run alone."""
+    model = tiny_model("qwen3", seed=5)
+    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (11, 17, 8, 23, 14)]
+    settings = [CacheSettings(budget=20, policy="h2o"), CacheSettings(budget=48, policy="epikv"), CacheSettings(budget=16, policy="tova"),
+                CacheSettings(budget=30, policy="streaming"), CacheSettings(budget=40, policy="epikv2")]
+    expected = [alone(model, ids, s) for ids, s in zip(prompts, settings)]
+    with BatchDecoder(model, settings) as decoder:
+        logits = torch.stack([decoder.add(ids, s, ids.shape[1] + STEPS) for ids, s in zip(prompts, settings)])
+        tokens = [[] for _ in prompts]
+        for step in range(STEPS):
+            chosen = choose(logits, step)
+            for row in range(len(prompts)):
+                tokens[row].append(int(chosen[row]))
+            logits = decoder.step(chosen)
+    assert tokens == [want for want, _ in expected]
