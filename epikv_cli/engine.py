@@ -123,6 +123,44 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class Sampler:
+    """One sequence's next token from its logits: transformers' warpers, then argmax or a seeded draw."""
+
+    def __init__(self, sampling: SamplingSettings) -> None:
+        self.sampling = sampling
+        self.processors = build_logits_processors(sampling)
+        self.generator: torch.Generator | None = None  # made on the logits' device at the first draw
+
+    def choose(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``[1]`` token (on the logits' device, no host sync) for ``ids`` ``[1, n]`` and ``logits`` ``[vocab]``."""
+        scores = self.processors(ids, logits.float().unsqueeze(0))
+        if self.sampling.greedy:
+            return scores.argmax(dim=-1)
+        if self.generator is None:
+            self.generator = torch.Generator(device=scores.device)
+            seed = self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63)
+            self.generator.manual_seed(seed)
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
+
+
+class Stopper:
+    """Why a sequence ends after its latest token: ``eos``, ``stop`` (a stop string), ``length``, or None."""
+
+    def __init__(self, model, tokenizer, sampling: SamplingSettings) -> None:
+        self.limit = sampling.max_new_tokens
+        self.eos = set() if sampling.ignore_eos else eos_token_ids(model, tokenizer)
+        self.strings = StopStringCriteria(tokenizer, list(sampling.stop)) if sampling.stop else None
+
+    def reason(self, token_id: int, ids: torch.Tensor, generated: int) -> str | None:
+        if token_id in self.eos:
+            return "eos"
+        if self.strings is not None and bool(self.strings(ids, None)[0]):
+            return "stop"
+        if generated == self.limit:
+            return "length"
+        return None
+
+
 class TokenBuffer:
     """The ``[1, n]`` token ids of one sequence on one device, grown by doubling as tokens arrive.
 
@@ -236,10 +274,8 @@ class Generation:
         prompt_len = prompt.shape[1]
         total = prompt_len + sampling.max_new_tokens
 
-        processors = build_logits_processors(sampling)
-        stop_criteria = StopStringCriteria(self.tokenizer, list(sampling.stop)) if sampling.stop else None
-        eos = set() if sampling.ignore_eos else eos_token_ids(model, self.tokenizer)
-        generator = None  # made on the logits' device at the first sampled token
+        sampler = Sampler(sampling)
+        stopper = Stopper(model, self.tokenizer, sampling)
 
         sequence = TokenBuffer(prompt, room=min(sampling.max_new_tokens, HEADROOM))
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -260,15 +296,7 @@ class Generation:
                 prefill_memory = peak_memory(device)[0]
                 reset_peak(device)  # the decode peak is measured on its own
                 for index in range(sampling.max_new_tokens):
-                    scores = processors(sequence.ids, logits.float().unsqueeze(0))
-                    if sampling.greedy:
-                        token = scores.argmax(dim=-1)
-                    else:
-                        if generator is None:
-                            generator = torch.Generator(device=scores.device)
-                            generator.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
-                        probs = torch.softmax(scores, dim=-1)
-                        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                    token = sampler.choose(sequence.ids, logits)
                     token_id = int(token.item())
                     if index == 0:
                         prefill_seconds = time.perf_counter() - start
@@ -287,14 +315,9 @@ class Generation:
                         logits=logits,
                         elapsed=time.perf_counter() - start,
                     )
-                    if token_id in eos:
-                        stop_reason = "eos"
-                        break
-                    if stop_criteria is not None and bool(stop_criteria(sequence.ids, None)[0]):
-                        stop_reason = "stop"
-                        break
-                    if generated == sampling.max_new_tokens:
-                        stop_reason = "length"
+                    ended = stopper.reason(token_id, sequence.ids, generated)
+                    if ended:
+                        stop_reason = ended
                         break
                     logits = self._forward(session, token.view(1, 1).to(device))
             finally:

@@ -310,7 +310,7 @@ def test_unusable_output_is_refused_before_loading(tiny_model_dir, tmp_path, no_
         (["--prompts", "/no/such/file.txt"], "prompt file not found"),
         (["--prompts", "DIR"], "is a directory, not a file of prompts"),
         (["--prompts", "/dev/null"], "is a character device, not a file of prompts"),
-        (["--resume", "hi"], "--output, --resume and --overwrite go with --prompts"),
+        (["--resume", "hi"], "--output, --resume, --overwrite and --batch-size go with --prompts"),
         (["--prompts", "PROMPTS", "hi"], "either a PROMPT or --prompts"),
         (["--prompts", "PROMPTS", "--resume"], "--resume needs --output"),
         (["--prompts", "PROMPTS", "--panel"], "--panel shows one streamed generation"),
@@ -362,3 +362,36 @@ def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy):
     assert result.exit_code == 0, result.stderr
     rows = records(out)
     assert [r["stats"]["policy"] for r in rows] == [policy, policy] and all(r["stats"]["evicted"] > 0 for r in rows)
+
+
+def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_path):
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"question number {i} " * (i + 1), "max_new_tokens": 6 + 5 * i}) for i in range(5)]
+    lines.insert(2, "{broken")
+    prompts = write(tmp_path / "p.jsonl", lines)
+    one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
+    first = run(tiny_model_dir, prompts, one, "--policy", "h2o")
+    assert first.exit_code == 1, first.stderr
+    assert run(tiny_model_dir, prompts, four, "--policy", "h2o", "--batch-size", "4").exit_code == 1
+    strip = lambda rows: [(r["id"], r["text"], r["error"], (r["stats"] or {}).get("evicted")) for r in rows]
+    assert strip(records(four)) == strip(records(one))
+    assert [r["stats"]["generated_tokens"] for r in records(four) if r["stats"]] == [6, 11, 16, 21, 26]
+
+
+def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_dir, tmp_path, monkeypatch):
+    from epikv_cli import batched
+
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    real = batched.BatchDecoder.step
+    calls = {"n": 0}
+
+    def failing(self, tokens):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory in a batched step")
+        return real(self, tokens)
+
+    monkeypatch.setattr(batched.BatchDecoder, "step", failing)
+    out = tmp_path / "out.jsonl"
+    result = run(tiny_model_dir, prompts, out, "--batch-size", "3")
+    assert result.exit_code == 0, result.stderr  # every prompt finished, one by one after the failure
+    assert [r["error"] for r in records(out)] == [None, None, None]

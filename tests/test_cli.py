@@ -237,7 +237,7 @@ def test_huge_max_new_tokens_allocates_as_the_cache_fills(tiny_model_dir, monkey
         (["--policy", "full", "--recent", "8", "hi"], ["--recent does not apply to policy 'full'"]),
         (["--panel", "--json", "hi"], ["--panel", "--json"]),
         (["--attn", "flash", "hi"], ["--attn"]),
-        (["--overwrite", "hi"], ["--output, --resume and --overwrite go with --prompts"]),
+        (["--overwrite", "hi"], ["--output, --resume, --overwrite and --batch-size go with --prompts"]),
     ],
 )
 def test_more_bad_input_is_one_line(monkeypatch, args, needles):
