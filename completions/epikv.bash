@@ -34,8 +34,9 @@ _epikv() {
             --budgets) COMPREPLY=(); return ;;
             --max-new-tokens|-n) COMPREPLY=(); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--dataset -d --field --answer-field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --max-new-tokens -n --output -o --resume --overwrite --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--dataset -d --field --answer-field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --max-new-tokens -n --output -o --resume --overwrite --json --quiet -q --batch-size --help -h" -- "$cur")) ;;
     fidelity)
         case "$prev" in
             --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;

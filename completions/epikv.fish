@@ -39,6 +39,7 @@ complete -c epikv -n '__fish_seen_subcommand_from eval' -l resume -d 'Continue -
 complete -c epikv -n '__fish_seen_subcommand_from eval' -l overwrite -d 'Replace a non-empty --output.'
 complete -c epikv -n '__fish_seen_subcommand_from eval' -l json -d 'Print one JSON object instead of the table.'
 complete -c epikv -n '__fish_seen_subcommand_from eval' -l quiet -s q -d 'No progress or status on stderr.'
+complete -c epikv -n '__fish_seen_subcommand_from eval' -l batch-size -x -d 'Answers decoded together (continuous batching; same greedy results).'
 complete -c epikv -n '__fish_seen_subcommand_from eval' -l help -s h -d 'Show the help and exit.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l prompts -r -F -d 'Plain text, JSONL with prompt/messages, or a dataset JSONL (\'-\' is not accepted).'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l field -x -d 'The question\'s field in a dataset (default: prompt, problem or question).'

@@ -442,6 +442,7 @@ def eval_(
     overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+    batch_size: Annotated[int, typer.Option("--batch-size", rich_help_panel=CACHE, help="Answers decoded together (continuous batching; same greedy results).")] = 1,
 ) -> None:
     """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
     configs = check_configs(policies, budgets)
@@ -452,7 +453,7 @@ def eval_(
     else:
         files = BatchFiles.check(Path("-"), output, resume=resume, overwrite=overwrite)  # only the output to check
     code = eval_command(model_settings, dataset, field, answer_field, limit, offset, configs, max_new_tokens, files,
-                        json_output=json_output, quiet=quiet)
+                        json_output=json_output, quiet=quiet, batch_size=batch_size)
     if code:
         raise typer.Exit(code)
 

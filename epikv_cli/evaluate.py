@@ -104,14 +104,14 @@ def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
     rows = []
     for config in configs:
         mine = [r for r in records if r["policy"] == config.policy and r["budget"] == config.budget.text]
-        judged = [r for r in mine if r.get("error") is None]
-        correct = sum(bool(r["correct"]) for r in judged)
-        low, high = wilson(correct, len(judged))
-        speeds = [r["decode_tokens_per_s"] for r in judged if r.get("decode_tokens_per_s")]
-        lengths = [r["generated_tokens"] for r in judged]
+        answered = [r for r in mine if r.get("error") is None]
+        correct = sum(bool(r["correct"]) for r in answered)
+        low, high = wilson(correct, len(answered))
+        speeds = [r["decode_tokens_per_s"] for r in answered if r.get("decode_tokens_per_s")]
+        lengths = [r["generated_tokens"] for r in answered]
         rows.append(EvalRow(
-            config.policy, config.budget.text, len(judged), correct, correct / len(judged) if judged else math.nan,
-            low, high, sum(r["prediction"] is None for r in judged), len(mine) - len(judged),
+            config.policy, config.budget.text, len(answered), correct, correct / len(answered) if answered else math.nan,
+            low, high, sum(r["prediction"] is None for r in answered), len(mine) - len(answered),
             statistics.fmean(lengths) if lengths else None, statistics.fmean(speeds) if speeds else None,
         ))
     return rows
@@ -119,15 +119,34 @@ def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
 
 def evaluate_one(loaded, problem: Problem, config: Config, max_new_tokens: int) -> dict:
     """Generate greedily for one problem under one config and judge the answer."""
-    record = {"id": problem.id, "line": problem.line, "policy": config.policy, "budget": config.budget.text}
     ids = protocol_ids(loaded.tokenizer, problem)
     try:
         generation = Generation(loaded.model, loaded.tokenizer, ids, config.settings(ids.shape[1]), SamplingSettings(max_new_tokens=max_new_tokens))
         for _ in generation:
             pass
     except UsageError as error:  # e.g. a prompt too long for this budget
-        return {**record, "error": str(error)}
-    result = generation.result
+        return judged(problem, config, error)
+    return judged(problem, config, generation.result)
+
+
+def evaluate_batched(loaded, work: list[tuple[Problem, Config]], max_new_tokens: int, batch_size: int):
+    """``judged`` records of every (problem, config), decoded ``batch_size`` at a time, in finishing order."""
+    from .batchgen import BatchedGeneration, Request
+
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens)
+    requests = []
+    for index, (problem, config) in enumerate(work):
+        ids = protocol_ids(loaded.tokenizer, problem)
+        requests.append(Request(index, ids, config.settings(ids.shape[1]), sampling))
+    for index, outcome in BatchedGeneration(loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]):
+        yield judged(*work[index], outcome)
+
+
+def judged(problem: Problem, config: Config, result) -> dict:
+    """The JSONL record of one answer (or of the error that kept it from running), judged by math-verify."""
+    record = {"id": problem.id, "line": problem.line, "policy": config.policy, "budget": config.budget.text}
+    if isinstance(result, UsageError):
+        return {**record, "error": str(result)}
     prediction = model_answer(result.text)
     reference = reference_answer(problem.answer)
     return {
@@ -141,7 +160,8 @@ def _key(record: dict) -> str:
     return json.dumps([record["id"], record["policy"], record["budget"]])
 
 
-def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tokens: int, files, ranks, quiet: bool = False) -> tuple[list[dict], int]:
+def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tokens: int, files, ranks, quiet: bool = False,
+             batch_size: int = 1) -> tuple[list[dict], int]:
     """Every problem x config not yet in the output; returns all records and the exit status."""
     from rich.console import Console
 
@@ -164,9 +184,12 @@ def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tok
         writer = JsonlWriter(files.output) if files.output is not None else None
         with progress_bar(err, disable=quiet or not ranks.is_main, transient=True, eta=True) as progress:
             task = progress.add_task("eval", total=len(mine), status="")
-            for problem, config in mine:
-                progress.update(task, status=f"{problem.id} {config.label}")
-                record = evaluate_one(loaded, problem, config, max_new_tokens)
+            if batch_size > 1:
+                outcomes = evaluate_batched(loaded, mine, max_new_tokens, batch_size)
+            else:
+                outcomes = (evaluate_one(loaded, problem, config, max_new_tokens) for problem, config in mine)
+            for record in outcomes:
+                progress.update(task, status=f"{record['id']} {record['policy']} {record['budget']}")
                 if ranks.world > 1:
                     record["rank"] = ranks.rank
                 records.append(record)
@@ -197,7 +220,8 @@ def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tok
 
 
 def eval_command(model_settings, dataset: str, field: str | None, answer_field: str, limit: int | None, offset: int,
-                 configs: list[Config], max_new_tokens: int, files, json_output: bool = False, quiet: bool = False) -> int:
+                 configs: list[Config], max_new_tokens: int, files, json_output: bool = False, quiet: bool = False,
+                 batch_size: int = 1) -> int:
     """``epikv eval``: load, run every problem x config, print the accuracy table (or ``--json``)."""
     import dataclasses
 
@@ -210,6 +234,8 @@ def eval_command(model_settings, dataset: str, field: str | None, answer_field: 
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
     if dataset in HUB_DATASETS and not Path(dataset).exists():
         problems = load_hub_dataset(dataset, limit, offset)
     else:
@@ -223,7 +249,7 @@ def eval_command(model_settings, dataset: str, field: str | None, answer_field: 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
     loaded = load(placed, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    records, code = run_eval(loaded, problems, configs, max_new_tokens, files, ranks, quiet=quiet)
+    records, code = run_eval(loaded, problems, configs, max_new_tokens, files, ranks, quiet=quiet, batch_size=batch_size)
     if not ranks.is_main:
         return code
     rows = summarise([r for r in records if "policy" in r], configs)

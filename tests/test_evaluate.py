@@ -103,3 +103,17 @@ def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     args = [str(data) if a == "DATA" else a for a in args]
     result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "-n", "4", *args])
     assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path):
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    outputs = []
+    for batch in ("1", "3"):
+        out = tmp_path / f"eval{batch}.jsonl"
+        result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--policies", "full,epikv",
+                                     "--budgets", "+12", "-n", "20", "-o", str(out), "--batch-size", batch, "-q"])
+        assert result.exit_code == 0, result.stderr
+        rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: (r["id"], r["policy"]))
+        outputs.append([(r["id"], r["policy"], r.get("text"), r.get("error")) for r in rows])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
