@@ -33,7 +33,7 @@ def main() -> None:
     reference = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, do_sample=False, output_logits=True, return_dict_in_generate=True, eos_token_id=None
     )
-    run = Generation(model, tokenizer, ids, CacheSettings(budget=ids.shape[1] + args.tokens + 128), SamplingSettings(max_new_tokens=args.tokens, ignore_eos=True))
+    run = Generation(model, tokenizer, ids, CacheSettings(budget=ids.shape[1] + args.tokens + 128), SamplingSettings(max_new_tokens=args.tokens, ignore_eos=True), keep_logits=True)
     events = list(run)
     same = [e.token_id for e in events] == reference.sequences[0, ids.shape[1] :].tolist()
     gap = max(float((e.logits.float() - l[0].float()).abs().max()) for e, l in zip(events, reference.logits))

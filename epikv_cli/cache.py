@@ -239,6 +239,16 @@ class BudgetCache(Cache):
         self._first_budget_layer = self.budget_layer_indices[0] if self.budget_layer_indices else None
         self.evicted_total = 0
         self.peak_stored = 0
+        self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
+        super().reset()
+        self.table = SlotTable(HEADROOM)
+        self.evicted_total = 0
+        self.peak_stored = 0
+        if self.on_reset is not None:
+            self.on_reset()
 
     # -- transformers hooks -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

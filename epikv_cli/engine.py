@@ -42,7 +42,8 @@ class StepEvent:
         seen: logical length of the cached sequence.
         evicted: logical positions evicted by that forward.
         scored: ``(position, score)`` of tokens scored by that forward (EpiKV).
-        logits: ``[vocab]`` raw logits that produced this token (a view, not a copy).
+        logits: ``[vocab]`` raw logits that produced this token, only when the generation was made with
+            ``keep_logits=True`` (otherwise None: a consumer keeping events should not keep vocab-sized tensors).
         elapsed: seconds since generation started (prefill included).
     """
 
@@ -54,7 +55,7 @@ class StepEvent:
     seen: int
     evicted: list[int]
     scored: list[tuple[int, float]]
-    logits: torch.Tensor = field(repr=False)
+    logits: torch.Tensor | None = field(repr=False)
     elapsed: float
 
 
@@ -80,6 +81,7 @@ class GenerationResult:
     decode_peak_memory_bytes: int = 0
     bands: list | None = None  # EpiKV's (layer, sign) pairs
     bands_source: str | None = None  # "--bands", "calibrated (FILE)" or the default
+    nonfinite_scores: int = 0  # tokens whose score signal was NaN or infinite (scored 0 instead)
     token_ids: list[int] = field(repr=False, default_factory=list)
 
     def to_dict(self) -> dict:
@@ -245,13 +247,15 @@ class Generation:
         input_ids: ``[1, prompt_len]`` prompt ids.
         cache: budget, policy, recent window, bands, positions.
         sampling: decoding settings.
+        keep_logits: put each step's logits on its event.
 
     If iteration stops early (Ctrl-C, ``close()``), :attr:`result` still describes the tokens produced,
     with ``stop_reason="interrupted"``.
     """
 
-    def __init__(self, model, tokenizer, input_ids: torch.Tensor, cache: CacheSettings, sampling: SamplingSettings):
+    def __init__(self, model, tokenizer, input_ids: torch.Tensor, cache: CacheSettings, sampling: SamplingSettings, keep_logits: bool = False):
         self.model = model
+        self.keep_logits = keep_logits
         self.tokenizer = tokenizer
         self.input_ids = input_ids
         self.cache_settings = cache
@@ -312,7 +316,7 @@ class Generation:
                         seen=session.cache.seen,
                         evicted=last.evicted,
                         scored=[(p, s) for p in last.appended if (s := session.policy.score_of(p)) is not None],
-                        logits=logits,
+                        logits=logits if self.keep_logits else None,
                         elapsed=time.perf_counter() - start,
                     )
                     ended = stopper.reason(token_id, sequence.ids, generated)
@@ -350,5 +354,6 @@ class Generation:
             decode_peak_memory_bytes=memory,
             bands=[[band.layer, band.sign] for band in getattr(session.policy, "bands", [])] or None,
             bands_source=getattr(session.policy, "bands_source", None),
+            nonfinite_scores=getattr(session.policy, "nonfinite", 0),
             token_ids=token_ids,
         )

@@ -42,14 +42,14 @@ class EpiKVSession:
     def __init__(self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None) -> None:
         self.model = model
         self.settings = settings
-        self.policy: Policy = make_policy(settings)
-        self.policy.setup(len(decoder_blocks(model)), getattr(model, "epikv_calibration", None))
+        self.policy: Policy = self._new_policy()
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
             model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",
             slack=self.policy.slack,
         )
         self.cache.policy = self.policy
+        self.cache.on_reset = self._reset
         self.last = ForwardRecord()
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
         needs = self.policy.attention_needs
@@ -58,6 +58,19 @@ class EpiKVSession:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
+
+    def _new_policy(self) -> Policy:
+        policy = make_policy(self.settings)
+        policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
+        return policy
+
+    def _reset(self) -> None:
+        """The cache was reset for a new sequence: start the policy and the records afresh."""
+        self.policy = self.cache.policy = self._new_policy()
+        self.last = ForwardRecord()
+        self.taps.clear()
+        if self.attention is not None:
+            self.attention.record = type(self.attention.record)()
 
     # -- hooks ----------------------------------------------------------------------------------
     # Several sessions may share one model (fidelity replays many caches in lockstep): each acts only

@@ -68,7 +68,7 @@ def test_no_eviction_reproduces_generate_on_the_real_model(demo):
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
         output_logits=True, return_dict_in_generate=True, eos_token_id=None,
     )
-    run = Generation(demo.model, demo.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=30, ignore_eos=True))
+    run = Generation(demo.model, demo.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=30, ignore_eos=True), keep_logits=True)
     events = list(run)
     assert [e.token_id for e in events] == reference.sequences[0, ids.shape[1]:].tolist()
     assert max(float((e.logits - l[0]).abs().max()) for e, l in zip(events, reference.logits)) <= 1e-5

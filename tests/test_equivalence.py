@@ -32,7 +32,8 @@ def test_engine_matches_generate_when_nothing_is_evicted(arch, policy, tokenizer
 
     budget = PROMPT_LEN + NEW + 128  # room for the recent window too
     run = Generation(
-        model, tokenizer, ids, CacheSettings(budget=budget, policy=policy), SamplingSettings(max_new_tokens=NEW, ignore_eos=True)
+        model, tokenizer, ids, CacheSettings(budget=budget, policy=policy), SamplingSettings(max_new_tokens=NEW, ignore_eos=True),
+        keep_logits=True,
     )
     events = list(run)
     assert [e.token_id for e in events] == tokens.tolist()

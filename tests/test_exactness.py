@@ -55,7 +55,7 @@ def test_logits_equal_a_masked_full_forward(arch, policy, tokenizer):
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(11))
     settings = CacheSettings(budget=budget_for(policy, prompt_len), policy=policy)
     new_tokens = NEW + POLICIES[policy].slack  # R-KV compresses only after K + 128 entries
-    run = Generation(model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))
+    run = Generation(model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True), keep_logits=True)
     events = list(run)
     evicted = [event.evicted for event in events]
     assert sum(map(len, evicted)) > 20  # eviction really happened

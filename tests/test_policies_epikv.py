@@ -151,3 +151,18 @@ def test_lowest_scores_leave_first():
                 candidates = [p for p in before if 5 <= p < cache.seen - 3]
                 assert before[gone] == min(before[p] for p in candidates)
                 assert not math.isnan(before[gone])
+
+
+def test_a_non_finite_change_does_not_poison_the_window():
+    poisoned, clean = RollingZScore(window=4), RollingZScore(window=4)
+    for value in (1.0, 2.0):
+        poisoned.push(value)
+        clean.push(value)
+    assert poisoned.push(math.inf) == 0.0 and poisoned.push(math.nan) == 0.0
+    assert poisoned.push(3.0) == clean.push(3.0)  # the next z-scores are those of the finite values
+    policy = EpiKV(recent=1, bands=((0, 1.0),))
+    policy.setup(1)
+    policy.observe(Signals(range(0, 1), True, {0: hidden([[0.0, 0.0]])}))
+    policy.observe(Signals(range(1, 2), False, {0: hidden([[math.inf, 0.0]])}))
+    policy.observe(Signals(range(2, 3), False, {0: hidden([[1.0, 0.0]])}))
+    assert policy.nonfinite >= 1 and math.isfinite(policy.score_of(1)) and math.isfinite(policy.score_of(2))

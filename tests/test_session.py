@@ -111,3 +111,17 @@ def test_sessions_sharing_a_model_in_lockstep_match_each_run_alone(tokenizer):
     assert together == alone
     assert all(next(run, None) is None for run in runs.values())  # each ends, and its session closes
     assert MODEL.config._attn_implementation == "sdpa" and not hasattr(MODEL, "_epikv_tap_users")
+
+
+def test_a_reset_cache_starts_a_new_sequence_afresh():
+    other = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(21))
+    with epikv_cli.attach(MODEL, budget=30, policy="epikv") as fresh:
+        expected = MODEL.generate(other, cache=fresh, max_new_tokens=50, **GEN)
+        expected_evicted = fresh.evicted_total
+    with epikv_cli.attach(MODEL, budget=30, policy="epikv") as cache:
+        MODEL.generate(IDS, cache=cache, max_new_tokens=70, **GEN)
+        first_policy = cache.policy
+        cache.reset()
+        assert (cache.stored, cache.seen, cache.evicted_total, cache.peak_stored) == (0, 0, 0, 0) and cache.policy is not first_policy
+        again = MODEL.generate(other, cache=cache, max_new_tokens=50, **GEN)
+        assert torch.equal(again, expected) and cache.evicted_total == expected_evicted

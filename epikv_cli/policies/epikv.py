@@ -41,6 +41,9 @@ class RollingZScore:
         self.eps = eps
 
     def push(self, value: float) -> float:
+        """The z-score of ``value``; a non-finite value (fp16 overflow) scores 0 and stays out of the window."""
+        if not math.isfinite(value):
+            return 0.0
         self.values.append(value)
         n = len(self.values)
         if n < 2:
@@ -135,5 +138,7 @@ class EpiKV(ScoredPolicy):
             ds = tuple(per_band[b][j] for b in range(len(self.bands)))
             zs = tuple(band.zscore.push(d) for band, d in zip(self.bands, ds))
             score = sum(band.sign * z for band, z in zip(self.bands, zs))
-            self.book.set(position, score)
+            if not all(math.isfinite(d) for d in ds):
+                self.nonfinite += 1
+            self.record_score(position, score)
             self.last.append(StepScore(position, score, ds, zs))

@@ -56,12 +56,23 @@ class ScoreBook:
 
 
 class ScoredPolicy(Policy):
-    """A policy whose tokens carry a frozen score; evicts the lowest-scoring evictable tokens."""
+    """A policy whose tokens carry a frozen score; evicts the lowest-scoring evictable tokens.
+
+    A non-finite score (an fp16 overflow in the signal) is stored as 0, neither kept for ever nor
+    evicted first, and counted in :attr:`nonfinite`, which generation results report.
+    """
 
     has_scores = True
 
     def __init__(self) -> None:
         self.book = ScoreBook()
+        self.nonfinite = 0
+
+    def record_score(self, position: int, score: float) -> None:
+        if not math.isfinite(score):
+            self.nonfinite += 1
+            score = 0.0
+        self.book.set(position, score)
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()

@@ -37,4 +37,4 @@ class KeyNorm(ScoredPolicy):
         ]
         scores = -torch.stack(norms).mean(dim=0)
         for position, score in zip(signals.appended, scores.tolist()):
-            self.book.set(position, score)
+            self.record_score(position, score)
