@@ -142,3 +142,17 @@ def test_policy_options_are_typed_and_checked():
             make_policy(CacheSettings(budget=100, policy="epikv2", options=bad))
     with pytest.raises(UsageError, match="not KEY=VALUE"):
         parse_policy_spec("epikv2:period")
+
+
+def test_epikv2_ablation_signals():
+    from epikv_cli.policies.epikv2 import EpiKV2
+
+    cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
+    recency = EpiKV2(budget=8, sinks=2, recent=2, signal="none")
+    assert recency.attention_needs is None and recency.select(cache, 2) == [2, 3]  # no signal: the oldest candidates
+    paper = EpiKV2(budget=8, sinks=2, recent=2, signal="epiphany")
+    paper.setup(32)
+    assert paper.tap_layers() == [10, 21] and paper.attention_needs is None
+    for position, score in {2: 1.0, 3: -2.0, 4: 0.5, 5: 3.0, 6: -1.0}.items():
+        paper.epiphany.book.set(position, score)
+    assert paper.select(cache, 2) == [3, 6]  # the lowest epiphany scores among the candidates

@@ -13,7 +13,8 @@ layer; the per-step work is one query copy per layer, and every ``period`` steps
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
-(``score`` or ``keep``).
+(``score`` or ``keep``), and ``signal`` for ablations: ``attention`` (the default), ``epiphany``
+(the published EpiKV score under these keep rules) or ``none`` (recency alone).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..attention import AttentionNeeds
 from ..errors import UsageError
 from ..settings import CacheSettings
 from .base import Policy, Signals, lowest
+from .epikv import EpiKV
 from .keep_scored import ScoreBook
 
 if TYPE_CHECKING:
@@ -55,22 +57,35 @@ class EpiKV2(Policy):
     name = "epikv2"
     protects_prompt = False
     uses_recent = False
-    OPTIONS: ClassVar[dict[str, type]] = {"sinks": int, "recent": float, "period": int, "decay": float, "prompt": str}
+    OPTIONS: ClassVar[dict[str, type]] = {"sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str}
 
-    def __init__(self, budget: int, sinks: int = 4, recent: float = 0.25, period: int = 16, decay: float = 1.0, prompt: str = "score") -> None:
-        if sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep"):
+    def __init__(
+        self, budget: int, sinks: int = 4, recent: float = 0.25, period: int = 16, decay: float = 1.0, prompt: str = "score",
+        signal: str = "attention",
+    ) -> None:
+        if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
+                or signal not in ("attention", "epiphany", "none")):
             raise UsageError(
                 "epikv2 options: sinks >= 0, period >= 1, 0 < decay <= 1, recent >= 0 (a share of K below 1, else tokens), "
-                "prompt score|keep"
+                "prompt score|keep, signal attention|epiphany|none"
             )
         self.sinks = sinks
         self.recent = int(round(recent * budget)) if recent < 1 else int(recent)
         self.period = period
         self.decay = decay
         self.keep_prompt = prompt == "keep"
-        self.attention_needs = AttentionNeeds(queries=period)
+        self.signal = signal
+        self.attention_needs = AttentionNeeds(queries=period) if signal == "attention" else None
+        self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()
         self._decode_steps = 0
+
+    def setup(self, num_layers: int, calibration=None) -> None:
+        if self.epiphany is not None:
+            self.epiphany.setup(num_layers, calibration)
+
+    def tap_layers(self) -> list[int]:
+        return self.epiphany.tap_layers() if self.epiphany is not None else []
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV2:
@@ -78,6 +93,10 @@ class EpiKV2(Policy):
 
     def observe(self, signals: Signals) -> None:
         """At the prefill and every ``period`` steps: add the stored queries' attention to each token's score."""
+        if self.signal != "attention":
+            if self.epiphany is not None:
+                self.epiphany.observe(signals)
+            return
         if not signals.prompt:
             self._decode_steps += 1
             if self._decode_steps % self.period:
@@ -110,5 +129,6 @@ class EpiKV2(Policy):
         positions = cache.live_positions()
         floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
         candidates = (positions >= floor) & (positions < cache.seen - self.recent)
-        scores = torch.nan_to_num(self.received.gather(positions), nan=0.0)
+        book = self.epiphany.book if self.epiphany is not None else self.received
+        scores = torch.nan_to_num(book.gather(positions), nan=0.0)
         return lowest(scores, positions, candidates, count)
