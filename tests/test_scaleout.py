@@ -134,3 +134,29 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
     assert [r["correct"] for r in rows] == [True, True, True, False, True]
     summary = json.loads(done.stdout.strip().splitlines()[-1])  # printed once, by rank 0
     assert summary["results"][0]["correct"] == 4 and summary["results"][0]["problems"] == 5
+
+
+def test_two_nodes_on_localhost(tiny_model_dir, tmp_path):
+    """The multi-node path: two torchrun "nodes" (one process each) meeting at a rendezvous endpoint."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"question {i}" for i in range(5)) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["generate", "--model", str(tiny_model_dir), "-n", "5", "-b", "48", "--ignore-eos", "-q", "--prompts", str(prompts), "--output", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "-m", "epikv_cli", *common],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    codes = [node.wait(timeout=240) for node in nodes]
+    assert codes == [0, 0], [node.stderr.read()[-1500:] for node in nodes]
+    rows = read(out)
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and {r["rank"] for r in rows} == {0, 1}
