@@ -81,7 +81,7 @@ _epikv() {
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -98,7 +98,7 @@ _epikv() {
             --prompt-file) COMPREPLY=(); return ;;
             --memory-limit) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
     *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }

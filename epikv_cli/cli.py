@@ -130,6 +130,7 @@ ShapeOption = Annotated[
     ),
 ]
 LayersOption = Annotated[Optional[int], typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json.")]
+CompileOption = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL, help="torch.compile the model's forward (slow first steps, faster after).")]
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -235,6 +236,7 @@ def generate(
     model: ModelOption = None,
     shape: ShapeOption = None,
     layers: LayersOption = None,
+    compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
     attn: Annotated[
@@ -316,7 +318,7 @@ def generate(
         stop=tuple(_clean("--stop", text, quiet) for text in stop or ()),
         ignore_eos=ignore_eos,
     )
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers)
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers, compile=compile_model)
     prompt_settings = PromptSettings(system=_clean("--system", system, quiet), chat_template=chat_template)
     if prompts is not None:
         if prompt is not None:
@@ -343,6 +345,7 @@ def profile(
     model: ModelOption = None,
     shape: ShapeOption = None,
     layers: LayersOption = None,
+    compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
     attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel for every policy (a policy may name its own: h2o@eager).")] = AttnKind.auto,
@@ -370,7 +373,7 @@ def profile(
 ) -> None:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
     runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv"))
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers, compile=compile_model)
     if max_context:
         code = max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
         if code:

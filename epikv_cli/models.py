@@ -160,6 +160,21 @@ def _random_model(source: ModelSource, settings: ModelSettings) -> LoadedModel:
 
 def load(settings: ModelSettings, log=None) -> LoadedModel:
     """Load model and tokenizer as ``settings`` say; errors become :class:`ModelLoadError` or :class:`UsageError`."""
+    loaded = _load(settings, log)
+    if settings.compile:
+        compile_forward(loaded.model)
+    return loaded
+
+
+def compile_forward(model) -> None:
+    """``torch.compile`` the forward: the session's hooks (eviction, scores) run around it, outside the
+    compiled graph. On CUDA with ``reduce-overhead`` (CUDA graphs): once a budgeted cache is full every
+    decode step has the same shapes, K + 1 entries, and replays one captured graph."""
+    mode = "reduce-overhead" if next(model.parameters()).is_cuda else None
+    model.forward = torch.compile(model.forward, mode=mode)
+
+
+def _load(settings: ModelSettings, log=None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

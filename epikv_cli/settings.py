@@ -184,6 +184,7 @@ class ModelSettings:
         attn: ``auto`` picks flash_attention_2 when installed on CUDA, else sdpa.
         shape: a known shape (:data:`epikv_cli.shapes.SHAPES`) built with random weights, instead of ``model``.
         layers: keep only this many decoder layers of a shape or config.json.
+        compile: ``torch.compile`` the model's forward (the eviction bookkeeping stays outside it).
     """
 
     model: str | None = None
@@ -192,6 +193,7 @@ class ModelSettings:
     attn: str = "auto"
     shape: str | None = None
     layers: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -75,3 +75,19 @@ def test_forcing_flash_attention_without_it_is_a_usage_error(on_cuda, flash):
 def test_unknown_attn_is_a_usage_error():
     with pytest.raises(UsageError, match="--attn"):
         choose_attn("paged", on_cuda=False, flash_available=False, model_type="llama", dtype=None)
+
+
+def test_compiled_forward_gives_the_same_greedy_tokens(tiny_model_dir):
+    """--compile: torch.compile around the forward, eviction outside it; identical greedy tokens (CPU here)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from epikv_cli.cli import app
+
+    args = ["generate", "--model", str(tiny_model_dir), "-n", "60", "-b", "30", "--ignore-eos", "--json", "hello"]
+    plain = json.loads(CliRunner().invoke(app, args).stdout)
+    compiled = CliRunner().invoke(app, [*args, "--compile"])
+    assert compiled.exit_code == 0, compiled.stderr
+    data = json.loads(compiled.stdout)
+    assert data["text"] == plain["text"] and data["evicted"] == plain["evicted"] > 0
