@@ -47,6 +47,52 @@ class AttentionNeeds:
         return self.received or self.last_row
 
 
+class QueryRing:
+    """One layer's last ``width`` query vectors for every batch row, in a ring: a decode step writes one
+    slot in place (no copy of the others); rows read them oldest first."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.buffer: torch.Tensor | None = None  # [batch, heads, width, head_dim]
+        self.head = 0  # the next slot written, the same for every row (all rows take one query per step)
+        self.valid: list[int] = []  # per row: how many slots hold real queries
+
+    def write(self, query: torch.Tensor) -> None:
+        """Store ``query`` ``[batch, heads, q, head_dim]`` (q = 1 in decode steps, the prompt at a prefill)."""
+        query = query.detach()
+        batch, heads, count, dim = query.shape
+        if self.buffer is None or self.buffer.shape[0] != batch:
+            self.buffer = query.new_zeros((batch, heads, self.width, dim))
+            self.head, self.valid = 0, [0] * batch
+        if count >= self.width:
+            self.buffer.copy_(query[:, :, -self.width :])
+            self.head, self.valid = 0, [self.width] * batch
+            return
+        for index in range(count):
+            self.buffer[:, :, self.head] = query[:, :, index]
+            self.head = (self.head + 1) % self.width
+        self.valid = [min(v + count, self.width) for v in self.valid]
+
+    def ordered(self, row: int) -> torch.Tensor:
+        """``[heads, valid, head_dim]``: row ``row``'s real queries, oldest first."""
+        count = self.valid[row]
+        slots = [(self.head - count + i) % self.width for i in range(count)]
+        return self.buffer[row][:, slots]
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.buffer = self.buffer[keep.to(self.buffer.device)]
+        self.valid = [self.valid[i] for i in keep.tolist()]
+
+    def add_row(self, queries: torch.Tensor | None, heads: int, dim: int, dtype, device) -> None:
+        """A row joins with its own last queries ``[heads, w, head_dim]`` (oldest first; None: none)."""
+        row = torch.zeros((1, heads, self.width, dim), dtype=dtype, device=device)
+        count = 0 if queries is None else min(queries.shape[1], self.width)
+        for i in range(count):
+            row[0, :, (self.head - count + i) % self.width] = queries[:, queries.shape[1] - count + i]
+        self.buffer = row if self.buffer is None else torch.cat([self.buffer, row])
+        self.valid.append(count)
+
+
 @dataclass
 class AttentionRecord:
     """Per evicting layer, what the latest forward's attention showed, for every sequence of the batch.
@@ -56,12 +102,13 @@ class AttentionRecord:
         received: layer -> ``[batch, kv_len]`` float32, attention received, summed over this forward's
             queries, mean over query heads.
         last_row: layer -> ``[batch, kv_len]`` float32, the last query's attention, mean over query heads.
-        queries: layer -> ``[batch, heads, <= N, head_dim]``, the last N query vectors (kept across forwards).
+        queries: layer -> :class:`QueryRing` of the last N query vectors (kept across forwards). A
+            one-row view (:meth:`row`) holds ``[heads, w, head_dim]`` tensors instead, oldest first.
     """
 
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     last_row: dict[int, torch.Tensor] = field(default_factory=dict)
-    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    queries: dict = field(default_factory=dict)
 
     @staticmethod
     def layer_mean(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -73,12 +120,13 @@ class AttentionRecord:
         return AttentionRecord(
             {layer: v[index, :stored] for layer, v in self.received.items()},
             {layer: v[index, :stored] for layer, v in self.last_row.items()},
-            {layer: q[index] for layer, q in self.queries.items()},
+            {layer: ring.ordered(index) for layer, ring in self.queries.items()},
         )
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only the batch rows ``keep`` (queries persist across forwards, so they follow the batch)."""
-        self.queries = {layer: q[keep] for layer, q in self.queries.items()}
+        for ring in self.queries.values():
+            ring.keep_rows(keep)
 
     def clear_forward(self) -> None:
         """Drop what belongs to one forward only (queries persist)."""
@@ -168,10 +216,7 @@ class AttentionTaps:
         layer = module.layer_idx
         needs = self.needs
         if needs.queries:
-            kept = self.record.queries.get(layer)
-            fresh = query.detach()
-            joined = fresh if kept is None else torch.cat([kept, fresh], dim=2)
-            self.record.queries[layer] = joined[:, :, -needs.queries :].clone()
+            self.record.queries.setdefault(layer, QueryRing(needs.queries)).write(query)
         if not needs.weights:
             return
         q_len = query.shape[2]

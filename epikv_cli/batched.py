@@ -83,21 +83,18 @@ class BatchDecoder:
         return logits
 
     def _join_queries(self, stream: CacheStream) -> None:
-        """Append the new row's last queries (from its prefill) to the batch's query store, padded at the front."""
+        """The new row's last queries (from its prefill) join the batch's query rings."""
+        from .attention import QueryRing
+
         record = self.attention.record
         own = stream.session.attention.record.queries if stream.session.attention is not None else {}
         text = self.model.config.get_text_config(decoder=True)
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        width = self.needs.queries
         for layer in self.cache.full_layer_indices:
-            template = record.queries.get(layer)
-            fresh = own.get(layer)
-            if fresh is None:  # this row's policy reads no queries: zeros keep the shapes
-                fresh = torch.zeros((1, heads, width, head_dim), dtype=self.dtype, device=self.device)
-            if fresh.shape[2] < width:
-                fresh = torch.nn.functional.pad(fresh, (0, 0, width - fresh.shape[2], 0))
-            record.queries[layer] = fresh if template is None else torch.cat([template, fresh.to(template.device)])
+            ring = record.queries.setdefault(layer, QueryRing(self.needs.queries))
+            fresh = own[layer].ordered(0) if layer in own else None
+            ring.add_row(fresh, heads, head_dim, self.dtype, self.device)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` (one per row); return the ``[B, vocab]`` logits; every row observes and evicts."""

@@ -37,6 +37,8 @@ class SlotTable:
         seen: logical length, i.e. tokens ever appended.
         committed: ``seen`` at the end of the last forward (tokens after it are still being scored).
         prompt_len: tokens appended by the first forward, the prompt (``None`` before it).
+        slot_of: logical position -> slot of every live token (the inverse map, kept in O(1) per change),
+            so a policy that knows which positions leave finds their slots without scanning K.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -45,6 +47,7 @@ class SlotTable:
         self.seen = 0
         self.committed = 0
         self.prompt_len: int | None = None
+        self.slot_of: dict[int, int] = {}
 
     def append(self, count: int) -> None:
         """Record ``count`` new tokens at the end of the live slots."""
@@ -54,6 +57,7 @@ class SlotTable:
             grown[: self.stored] = self.positions[: self.stored]
             self.positions = grown
         self.positions[self.stored : needed] = torch.arange(self.seen, self.seen + count)
+        self.slot_of.update(zip(range(self.seen, self.seen + count), range(self.stored, needed)))
         self.stored = needed
         self.seen += count
 
@@ -68,11 +72,15 @@ class SlotTable:
         ``len(slots)`` entries move.
         """
         drop = set(slots)
+        for slot in drop:
+            del self.slot_of[int(self.positions[slot])]
         new_stored = self.stored - len(drop)
         holes = sorted(s for s in drop if s < new_stored)
         movers = [s for s in range(new_stored, self.stored) if s not in drop]
         if holes:
             self.positions[holes] = self.positions[movers]
+            for hole in holes:
+                self.slot_of[int(self.positions[hole])] = hole
         self.stored = new_stored
         return holes, movers
 
@@ -276,6 +284,10 @@ class BudgetCache(Cache):
     def live_positions(self) -> torch.Tensor:
         """``[stored]`` logical positions of the live slots, in slot order (CPU, int64)."""
         return self.table.live_positions()
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        """The slots of live logical ``positions`` (O(1) each)."""
+        return [self.table.slot_of[p] for p in positions]
 
     def position_ids(self, count: int, device: torch.device | str) -> torch.Tensor:
         """``[1, count]`` RoPE positions for the next ``count`` tokens: logical, or compressed."""

@@ -71,15 +71,12 @@ class Agreement:
     kl_after_full: float = 0.0
     top1_after_full: int = 0
 
-    def add(self, reference: torch.Tensor, logits: torch.Tensor, token: int, after_full: bool) -> None:
-        """``reference`` is the full cache's ``[vocab]`` log-probabilities, ``logits`` the policy's raw logits."""
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        kl = float((reference.exp() * (reference - log_probs)).sum())
-        agree = int(log_probs.argmax()) == token
+    def add(self, kl: float, agree: bool, nll: float, after_full: bool) -> None:
+        """One position: KL(full || policy), whether the top-1 tokens agree, the policy's NLL of the reference token."""
         self.positions += 1
         self.kl += kl
         self.top1 += agree
-        self.nll -= float(log_probs[token])
+        self.nll += nll
         if after_full:
             self.after_full += 1
             self.kl_after_full += kl
@@ -151,10 +148,15 @@ def replay(model, ids: torch.Tensor, configs: list[Config], new_tokens: int, adv
             log_probs = torch.log_softmax(logits[0].float(), dim=-1)
             token = int(log_probs.argmax())
             tokens.append(token)
+            if agreements:  # every config at once: [configs, vocab]
+                policy_log_probs = torch.log_softmax(logits[1:].float(), dim=-1)
+                kl = (log_probs.exp() * (log_probs - policy_log_probs)).sum(dim=-1).tolist()
+                agree = (policy_log_probs.argmax(dim=-1) == token).tolist()
+                nll = (-policy_log_probs[:, token]).tolist()
             for row, agreement in enumerate(agreements, start=1):
                 state = decoder.cache.rows[row]
                 filled = state.evicted_total > len(state.last_evicted)  # evicted before these logits
-                agreement.add(log_probs, logits[row], token, filled)
+                agreement.add(kl[row - 1], agree[row - 1], nll[row - 1], filled)
             advance()
             if step == new_tokens - 1:
                 break

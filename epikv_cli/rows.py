@@ -214,11 +214,13 @@ def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
         origin = source.table
         table.positions[:count] = origin.positions[:count]
         table.stored, table.seen, table.committed, table.prompt_len = origin.stored, origin.seen, origin.committed, origin.prompt_len
+        table.slot_of = dict(origin.slot_of)
         return table
     seen = source.seen
     table = SlotTable(max(count, 1))
     table.positions[:count] = torch.arange(seen - count, seen)
     table.stored, table.seen, table.committed, table.prompt_len = count, seen, seen, source.prompt_len
+    table.slot_of = {seen - count + i: i for i in range(count)}
     return table
 
 
@@ -232,6 +234,9 @@ class RowView:
 
     def live_positions(self) -> torch.Tensor:
         return self.row.full.live_positions()
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        return [self.row.full.slot_of[p] for p in positions]
 
     @property
     def stored(self) -> int:

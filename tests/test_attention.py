@@ -58,7 +58,7 @@ def test_taps_beside_sdpa_equal_eager_weights(arch):
     for layer, w in enumerate(weights):
         assert torch.allclose(record.received[layer][0], w[0].sum(dim=1).mean(dim=0), atol=1e-4)
         assert torch.allclose(record.last_row[layer][0], w[0, :, -1].mean(dim=0), atol=1e-6)
-        assert record.queries[layer].shape == (1, model.config.num_attention_heads, 8, 8)  # [batch, heads, last 8, head_dim]
+        assert record.row(0, w.shape[-1]).queries[layer].shape == (model.config.num_attention_heads, 8, 8)  # [heads, last 8, head_dim]
 
 
 def test_eager_kernel_weights_are_used_as_they_are():
@@ -69,3 +69,19 @@ def test_eager_kernel_weights_are_used_as_they_are():
         weights = model(ids, output_attentions=True).attentions
     assert model.config._attn_implementation == "eager"
     assert all(torch.equal(record.last_row[i][0], w[0, :, -1].float().mean(dim=0)) for i, w in enumerate(weights))
+
+
+def test_query_ring_keeps_the_last_queries_in_order():
+    from epikv_cli.attention import QueryRing
+
+    ring = QueryRing(width=3)
+    ring.write(torch.arange(2.0).view(1, 1, 2, 1))  # a 2-token prefill: queries 0, 1
+    assert ring.ordered(0).flatten().tolist() == [0.0, 1.0]
+    for value in (2.0, 3.0, 4.0):
+        ring.write(torch.tensor(value).view(1, 1, 1, 1))
+    assert ring.ordered(0).flatten().tolist() == [2.0, 3.0, 4.0]
+    ring.add_row(torch.tensor([[7.0, 8.0, 9.0, 10.0]]).unsqueeze(-1), heads=1, dim=1, dtype=torch.float32, device="cpu")
+    ring.write(torch.tensor([5.0, 11.0]).view(2, 1, 1, 1))
+    assert ring.ordered(0).flatten().tolist() == [3.0, 4.0, 5.0] and ring.ordered(1).flatten().tolist() == [9.0, 10.0, 11.0]
+    ring.keep_rows(torch.tensor([1]))
+    assert ring.ordered(0).flatten().tolist() == [9.0, 10.0, 11.0]

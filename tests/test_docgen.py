@@ -57,10 +57,10 @@ def bash_complete(*words: str) -> list[str]:
 
 
 def test_bash_completion():
-    assert bash_complete("epikv", "") == ["generate", "profile", "--version", "--install-completion", "--show-completion", "--help", "-h"]
+    assert bash_complete("epikv", "") == ["calibrate", "eval", "fidelity", "generate", "profile", "--version", "--install-completion", "--show-completion", "--help", "-h"]
     assert bash_complete("epikv", "profile", "--sha") == ["--shape"]
     assert bash_complete("epikv", "profile", "--shape", "qw") == ["qwen2.5-32b", "qwen3-8b", "qwq-32b"]
-    assert bash_complete("epikv", "generate", "--pol") == ["--policy"]
+    assert bash_complete("epikv", "generate", "--pol") == ["--policy", "--policy-option"]
     assert bash_complete("epikv", "generate", "--policy", "") == sorted(POLICIES)
     assert bash_complete("epikv", "generate", "--positions", "c") == ["compressed"]
     assert "--no-chat-template" in bash_complete("epikv", "generate", "--no-")
@@ -71,7 +71,8 @@ def test_bash_completion():
 
 def test_man_page_says_repeatable_once():
     page = (ROOT / "man/epikv.1").read_text()
-    assert "repeatable" not in page.lower() and page.count("May be repeated.") == 1
+    # two options repeat (--stop, --policy-option); each says so once, with no "(repeatable)" metavar
+    assert "repeatable" not in page.lower() and page.count("May be repeated.") == 2
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
@@ -93,6 +94,6 @@ def test_install_completion_still_works(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / ".bash_completions/epikv.sh").exists()
     # and Typer's dynamic completion answers through the one-line-error wrapper
-    env.update({"_EPIKV_COMPLETE": "complete_bash", "COMP_WORDS": "epikv generate --pol", "COMP_CWORD": "2"})
+    env.update({"_EPIKV_COMPLETE": "complete_bash", "COMP_WORDS": "epikv generate --budg", "COMP_CWORD": "2"})
     done = subprocess.run([epikv], env=env, capture_output=True, text=True)
-    assert done.stdout.split() == ["--policy"]
+    assert done.stdout.split() == ["--budget"]

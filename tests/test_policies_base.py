@@ -16,7 +16,9 @@ from epikv_cli.settings import CacheSettings
 
 
 def fake_cache(positions, prompt_len, seen):
-    return SimpleNamespace(live_positions=lambda: torch.tensor(positions), prompt_len=prompt_len, seen=seen)
+    """What policies read of a cache: slots hold ``positions`` (scrambled orders allowed)."""
+    return SimpleNamespace(live_positions=lambda: torch.tensor(positions), prompt_len=prompt_len, seen=seen,
+                           slots_of=lambda wanted: [positions.index(p) for p in wanted])
 
 
 def test_evictable_excludes_prompt_and_recent_window():
@@ -34,14 +36,18 @@ def test_lowest_breaks_ties_by_age():
 
 def test_scored_keep_rule_on_scrambled_slots():
     policy = EpiKV(recent=2, bands=((0, 1.0),))
-    # slots hold positions in scrambled order (after earlier evictions)
-    positions = [0, 1, 2, 11, 4, 9, 6, 10, 8]
-    for position, score in {4: 0.3, 6: -1.0, 8: 0.0, 9: -5.0, 10: -9.0, 11: -9.0}.items():
+    for position, score in {3: 0.2, 4: 0.3, 5: 0.3, 6: -1.0, 7: 0.3, 8: 0.0, 9: -5.0, 10: -9.0, 11: -9.0}.items():
         policy.book.set(position, score)
+    # slots hold positions in scrambled order (as after earlier moves)
+    positions = [0, 1, 2, 11, 4, 9, 6, 10, 8, 3, 5, 7]
     cache = fake_cache(positions, prompt_len=3, seen=12)
-    # 10 and 11 are the recent window, 0-2 the prompt: the lowest of {4, 6, 8, 9} is 9 (slot 5)
-    assert policy.select(cache, 1) == [5]
+    # 10 and 11 are the recent window, 0-2 the prompt: the lowest of 3..9 are 9 (slot 5), 6 (slot 6)
     assert policy.select(cache, 2) == [5, 6]
+    # one step later (12 generated, 10 leaves the recent window): 10 (-9.0) goes next, then 8 (0.0), then 3 (0.2)
+    cache = fake_cache([0, 1, 2, 11, 4, 12, 10, 8, 3, 5, 7], prompt_len=3, seen=13)
+    assert policy.select(cache, 3) == [6, 7, 8]
+    # ties go to the older token: 4, 5 and 7 all score 0.3
+    assert policy.select(cache, 2) == [4, 9]
 
 
 def test_streaming_keeps_sinks_and_most_recent():

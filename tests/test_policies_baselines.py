@@ -23,8 +23,10 @@ from conftest import ARCHITECTURES
 
 
 def fake_cache(positions, seen, prompt_len=0):
-    positions = torch.tensor(positions)
-    return SimpleNamespace(live_positions=lambda: positions, seen=seen, prompt_len=prompt_len)
+    """What policies read of a cache: slots hold ``positions`` (scrambled orders allowed)."""
+    listed = list(positions)
+    return SimpleNamespace(live_positions=lambda: torch.tensor(listed), seen=seen, prompt_len=prompt_len,
+                           slots_of=lambda wanted: [listed.index(p) for p in wanted])
 
 
 def record(kind, *per_layer):

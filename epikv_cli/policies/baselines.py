@@ -37,6 +37,7 @@ class Streaming(Policy):
 
     def __init__(self, sinks: int = 4) -> None:
         self.sinks = sinks
+        self._oldest = sinks  # every position between the sinks and this one has left already
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> Streaming:
@@ -52,10 +53,10 @@ class Streaming(Policy):
         )
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
-        positions = cache.live_positions()
-        slots = torch.nonzero(positions >= self.sinks, as_tuple=True)[0]
-        oldest = slots[torch.argsort(positions[slots])]
-        return oldest[:count].tolist()
+        """The ``count`` oldest non-sink tokens: streaming evicts in position order, O(count) per step."""
+        leaving = list(range(self._oldest, self._oldest + count))
+        self._oldest += count
+        return cache.slots_of(leaving)
 
 
 class RandomEviction(Policy):

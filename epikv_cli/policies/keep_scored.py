@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Policy, evictable_mask, lowest
+from .base import Policy
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
@@ -58,6 +59,9 @@ class ScoreBook:
 class ScoredPolicy(Policy):
     """A policy whose tokens carry a frozen score; evicts the lowest-scoring evictable tokens.
 
+    Scores never change and tokens become evictable in position order (when they leave the recent
+    window), so the candidates live in a heap: each step pushes the newcomers and pops the lowest,
+    O(log K) instead of sorting K scores. Ties go to the older token; unscored tokens leave last.
     A non-finite score (an fp16 overflow in the signal) is stored as 0, neither kept for ever nor
     evicted first, and counted in :attr:`nonfinite`, which generation results report.
     """
@@ -67,6 +71,8 @@ class ScoredPolicy(Policy):
     def __init__(self) -> None:
         self.book = ScoreBook()
         self.nonfinite = 0
+        self._heap: list[tuple[float, int]] = []
+        self._next_candidate: int | None = None  # the next position to become evictable
 
     def record_score(self, position: int, score: float) -> None:
         if not math.isfinite(score):
@@ -75,9 +81,15 @@ class ScoredPolicy(Policy):
         self.book.set(position, score)
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
-        positions = cache.live_positions()
-        candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
-        return lowest(self.book.gather(positions), positions, candidates, count)
+        start = cache.prompt_len if self._next_candidate is None else self._next_candidate
+        end = cache.seen - self.recent
+        for position in range(start, end):  # the tokens that left the recent window since the last step
+            score = self.book.get(position)
+            heapq.heappush(self._heap, (math.inf if score is None else score, position))
+        self._next_candidate = max(start, end)
+        if count > len(self._heap):
+            raise RuntimeError(f"asked to evict {count} tokens but only {len(self._heap)} are evictable")
+        return cache.slots_of([heapq.heappop(self._heap)[1] for _ in range(count)])
 
     def score_of(self, position: int) -> float | None:
         return self.book.get(position)
