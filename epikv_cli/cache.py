@@ -27,6 +27,18 @@ _GROWTH = 2
 HEADROOM = 256
 
 
+def fill_plan(stored: int, drop: set[int]) -> tuple[list[int], list[int]]:
+    """Where entries move when the slots ``drop`` leave ``stored`` live slots: ``movers[i]`` -> ``holes[i]``.
+
+    The newest live slots not being dropped fill the holes left below the new length, so only
+    ``len(drop)`` entries move, and whoever keeps per-slot state beside the cache can follow.
+    """
+    new_stored = stored - len(drop)
+    holes = sorted(s for s in drop if s < new_stored)
+    movers = [s for s in range(new_stored, stored) if s not in drop]
+    return holes, movers
+
+
 class SlotTable:
     """Slot -> logical position map shared by all evicting layers (one global keep-set).
 
@@ -74,9 +86,8 @@ class SlotTable:
         drop = set(slots)
         for slot in drop:
             del self.slot_of[int(self.positions[slot])]
+        holes, movers = fill_plan(self.stored, drop)
         new_stored = self.stored - len(drop)
-        holes = sorted(s for s in drop if s < new_stored)
-        movers = [s for s in range(new_stored, self.stored) if s not in drop]
         if holes:
             self.positions[holes] = self.positions[movers]
             for hole in holes:

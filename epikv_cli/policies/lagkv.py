@@ -8,6 +8,10 @@ At every eviction, over the whole current cache:
      ``x_hat = (x - min) / (max - min + 1e-9)``;
   3. token score = unbiased std over head_dim of x_hat, mean over heads; keys + values.
 The lowest-scoring evictable tokens leave (same protection as EpiKV-Flat). No softmax.
+
+Cached keys never change, so the layer means of step 1 are accumulated once per token, when it is
+appended, into slot-indexed buffers that follow the cache's slot moves: an eviction costs one
+O(K * head_dim) pass over those means instead of O(layers * K * head_dim) over the whole cache.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..settings import CacheSettings
-from .base import Policy, evictable_mask, lowest
+from ..cache import fill_plan
+from .base import Policy, Signals, evictable_mask, lowest
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
@@ -74,16 +79,48 @@ class LagKV(Policy):
         self.recent = recent
         self.chunk = chunk
         self.eps = eps
+        # [kv_heads, capacity, head_dim] float32 layer means of each live slot's key and value
+        self.mean_keys: torch.Tensor | None = None
+        self.mean_values: torch.Tensor | None = None
+        self.length = 0
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> LagKV:
         return cls(recent=cls.recent_from(settings))
 
+    def observe(self, signals: Signals) -> None:
+        """Add the appended tokens' layer-mean keys and values (the last ``q`` live slots) to the buffers."""
+        cache, count = signals.cache, len(signals.appended)
+        if cache is None or not count:
+            return
+        stored = cache.stored
+        layers = cache.budget_layers
+        keys = values = None
+        for layer in layers:  # the arithmetic of layer_mean, on the new slots only
+            k, v = layer.live()
+            k, v = k[0, :, stored - count : stored].float(), v[0, :, stored - count : stored].float()
+            if keys is None:
+                keys, values = k.clone(), v.clone()
+            else:
+                keys += k.to(keys.device)
+                values += v.to(values.device)
+        keys, values = keys / len(layers), values / len(layers)
+        if self.mean_keys is None or stored > self.mean_keys.shape[1]:
+            size = max(stored, 2 * (self.mean_keys.shape[1] if self.mean_keys is not None else 0))
+            grown = [torch.zeros(keys.shape[0], size, keys.shape[2], device=keys.device) for _ in range(2)]
+            if self.mean_keys is not None:
+                grown[0][:, : self.length] = self.mean_keys[:, : self.length]
+                grown[1][:, : self.length] = self.mean_values[:, : self.length]
+            self.mean_keys, self.mean_values = grown
+        self.mean_keys[:, stored - count : stored] = keys
+        self.mean_values[:, stored - count : stored] = values
+        self.length = stored
+
     def token_scores(self, cache: BudgetCache) -> torch.Tensor:
         """``[stored]`` Lag-KV scores of the live slots, in slot order."""
         positions = cache.live_positions()
         order = torch.argsort(positions)
-        keys, values = layer_mean(cache)
+        keys, values = self.mean_keys[:, : cache.stored], self.mean_values[:, : cache.stored]
         order_dev = order.to(keys.device)
         logical = lag_scores(keys[:, order_dev], self.chunk, self.eps) + lag_scores(
             values[:, order_dev], self.chunk, self.eps
@@ -95,4 +132,12 @@ class LagKV(Policy):
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()
         candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
-        return lowest(self.token_scores(cache), positions, candidates, count)
+        slots = lowest(self.token_scores(cache), positions, candidates, count)
+        holes, movers = fill_plan(cache.stored, set(slots))  # the cache moves its entries the same way
+        if holes:
+            index_holes = torch.tensor(holes, device=self.mean_keys.device)
+            index_movers = torch.tensor(movers, device=self.mean_keys.device)
+            self.mean_keys[:, index_holes] = self.mean_keys[:, index_movers]
+            self.mean_values[:, index_holes] = self.mean_values[:, index_movers]
+        self.length = cache.stored - len(slots)
+        return slots
