@@ -27,7 +27,8 @@ def settings_for(policy: str, prompt_len: int) -> CacheSettings:
     if policy == "full":
         return CacheSettings(budget=None, policy="full")
     cls = POLICIES[policy]
-    return CacheSettings(budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy)
+    small_recent = (("recent", "0.25"),) if policy == "epikv2" else ()  # so that its scores decide most evictions
+    return CacheSettings(budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy, options=small_recent)
 
 
 def alone(model, ids, settings, steps=STEPS, biased=True):

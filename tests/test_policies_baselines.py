@@ -133,6 +133,26 @@ def test_epikv2_keeps_sinks_and_its_recent_share_and_evicts_the_least_attended()
     assert keeping.min_budget(4) == 2 + 2 + 4 + 1
 
 
+def test_epikv2_heap_picks_what_a_full_sort_picks_across_refreshes():
+    from epikv_cli.policies.base import lowest
+    from epikv_cli.policies.epikv2 import EpiKV2
+
+    generator = torch.Generator().manual_seed(3)
+    policy = EpiKV2(budget=12, sinks=2, recent=3, period=4)
+    live = list(range(13))  # K + 1 entries: one leaves per step
+    for seen in range(13, 80):
+        if seen % 4 == 0:  # a refresh re-scores every live token (ties included: scores in quarters)
+            policy.credit(torch.tensor(live), torch.randint(0, 4, (len(live),), generator=generator) / 4)
+        positions = torch.tensor(live)
+        candidates = (positions >= 2) & (positions < seen - 3)
+        scores = torch.nan_to_num(policy.received.gather(positions), nan=0.0)
+        expected = [live[slot] for slot in lowest(scores, positions, candidates, 1)]
+        cache = fake_cache(live, seen=seen)
+        assert [live[slot] for slot in policy.select(cache, 1)] == expected
+        live.remove(expected[0])
+        live.append(seen)
+
+
 def test_policy_options_are_typed_and_checked():
     from epikv_cli.policies import parse_policy_spec
 

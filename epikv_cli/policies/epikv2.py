@@ -8,8 +8,9 @@ RoPE), and every ``period`` steps their attention to the cached keys is computed
 (one small matmul per layer) and added to each token's running score, older contributions decayed.
 Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then the highest scores;
 the prompt is scored like everything else. State: one float per token and ``period`` queries per
-layer; the per-step work is one query copy per layer, and every ``period`` steps one
-``[queries x K]`` product per layer.
+layer; the per-step work is one query copy per layer and O(log K) heap operations, and every
+``period`` steps one ``[queries x K]`` product per layer and a heap rebuilt from the new scores
+(amortised O(K / period) per step, the order of one attention row).
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
@@ -19,6 +20,7 @@ else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), `
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TYPE_CHECKING, ClassVar
 
@@ -27,7 +29,7 @@ import torch
 from ..attention import AttentionNeeds
 from ..errors import UsageError
 from ..settings import CacheSettings
-from .base import Policy, Signals, lowest
+from .base import Policy, Signals
 from .epikv import EpiKV
 from .keep_scored import ScoreBook
 
@@ -60,7 +62,7 @@ class EpiKV2(Policy):
     OPTIONS: ClassVar[dict[str, type]] = {"sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str}
 
     def __init__(
-        self, budget: int, sinks: int = 4, recent: float = 0.25, period: int = 16, decay: float = 1.0, prompt: str = "score",
+        self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention",
     ) -> None:
         if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
@@ -79,6 +81,9 @@ class EpiKV2(Policy):
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()
         self._decode_steps = 0
+        self._heap: list[tuple[float, int]] = []  # (score, position) of the evictable tokens
+        self._stale = True  # scores changed since the heap was built
+        self._next_candidate = 0  # the next position to leave the recent window
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -110,10 +115,15 @@ class EpiKV2(Policy):
             query_positions = torch.arange(seen - queries.shape[1], seen)
             part = received_attention(queries, layer.live()[0][0], query_positions, positions).cpu()
             total = part if total is None else total + part
+        self.credit(positions, total / len(cache.budget_layers))
+
+    def credit(self, positions: torch.Tensor, received: torch.Tensor) -> None:
+        """Decay the scores of ``positions`` ``[n]``, then add ``received`` ``[n]`` to them (a refresh)."""
         if self.decay < 1:
             current = self.received.gather(positions)
             self.received.add(positions, torch.nan_to_num(current, nan=0.0) * (self.decay - 1))
-        self.received.add(positions, total / len(cache.budget_layers))
+        self.received.add(positions, received)
+        self._stale = True
 
     def min_budget(self, prompt_len: int) -> int:
         kept = self.sinks + self.recent + (prompt_len if self.keep_prompt else 0)
@@ -126,9 +136,26 @@ class EpiKV2(Policy):
         return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
-        positions = cache.live_positions()
-        floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
-        candidates = (positions >= floor) & (positions < cache.seen - self.recent)
+        """The ``count`` lowest scores among the evictable tokens (unscored counts as 0; ties: the older).
+
+        Between refreshes scores are frozen and one token leaves the recent window per step, so the
+        candidates wait in a heap; a refresh rebuilds it from the live tokens' new scores.
+        """
         book = self.epiphany.book if self.epiphany is not None else self.received
-        scores = torch.nan_to_num(book.gather(positions), nan=0.0)
-        return lowest(scores, positions, candidates, count)
+        floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
+        end = cache.seen - self.recent
+        if self._stale:
+            positions = cache.live_positions()
+            positions = positions[(positions >= floor) & (positions < end)]
+            scores = torch.nan_to_num(book.gather(positions), nan=0.0)
+            self._heap = list(zip(scores.tolist(), positions.tolist()))
+            heapq.heapify(self._heap)
+            self._stale = False
+        else:
+            for position in range(max(floor, self._next_candidate), end):
+                score = book.get(position)
+                heapq.heappush(self._heap, (0.0 if score is None else score, position))
+        self._next_candidate = max(self._next_candidate, end)
+        if count > len(self._heap):
+            raise RuntimeError(f"asked to evict {count} tokens but only {len(self._heap)} are evictable")
+        return cache.slots_of([heapq.heappop(self._heap)[1] for _ in range(count)])
