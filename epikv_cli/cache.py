@@ -168,6 +168,12 @@ class BudgetLayer(CacheLayerMixin):
             self.values.index_copy_(2, holes, self.values.index_select(2, movers))
         self.length = new_length
 
+    def move_one(self, hole: int, mover: int, new_length: int) -> None:
+        """Copy slot ``mover`` into ``hole`` and shrink to ``new_length`` (no host-to-device index copy)."""
+        self.keys[:, :, hole] = self.keys[:, :, mover]
+        self.values[:, :, hole] = self.values[:, :, mover]
+        self.length = new_length
+
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The live ``[1, kv_heads, stored, head_dim]`` keys and values (slot order)."""
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
@@ -317,6 +323,12 @@ class BudgetCache(Cache):
             return []
         positions = self.table.positions[slots].tolist()
         holes, movers = self.table.plan_eviction(slots)
+        if len(holes) == 1:  # the steady state: one entry leaves per step; plain slices, no index tensors to copy
+            for layer in self.budget_layers:
+                if layer.is_initialized:
+                    layer.move_one(holes[0], movers[0], self.table.stored)
+            self.evicted_total += len(positions)
+            return positions
         device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.budget_layers:
             if not layer.is_initialized:
