@@ -243,7 +243,7 @@ def generate(
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).")
     ] = AttnKind.auto,
     budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer, prompt included.")] = 4096,
-    policy: Annotated[PolicyName, typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="Eviction policy.")] = PolicyName.epikv,
+    policy: Annotated[PolicyName, typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="Eviction policy (epikv: the paper's, exactly as published).")] = PolicyName.epikv2,
     recent: Annotated[
         Optional[int], typer.Option(rich_help_panel=CACHE, help="R: generated tokens always kept (epikv, lagkv, random). Default min(128, K // 4).")
     ] = None,
@@ -354,7 +354,7 @@ def profile(
         typer.Option(
             metavar="P,P,...", rich_help_panel=CACHE,
             help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own kernel. "
-            "Default: full,streaming,epikv (with --max-context: h2o,epikv).",
+            "Default: full,streaming,epikv2 (with --max-context: h2o,epikv).",
         ),
     ] = None,
     budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K for every evicting policy.")] = 512,
@@ -372,7 +372,7 @@ def profile(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
 ) -> None:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
-    runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv"))
+    runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv2"))
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers, compile=compile_model)
     if max_context:
         code = max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
@@ -401,7 +401,7 @@ def fidelity(
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
     attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
-    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")] = "streaming,epikv",
+    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")] = "streaming,epikv2",
     budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (128) or per prompt (+96 = prompt + 96).")] = "+64,+128,+256",
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt (EOS ignored).")] = 384,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="Per-prompt results as JSONL.")] = None,
@@ -437,7 +437,7 @@ def eval_(
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
     attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
-    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")] = "full,epikv",
+    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")] = "full,epikv2",
     budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (2048) or per prompt (+512).")] = "4096",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=CACHE, help="Most tokens per answer.")] = 8192,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="One JSONL line per problem, policy and budget.")] = None,

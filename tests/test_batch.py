@@ -79,7 +79,7 @@ def test_jsonl_with_good_malformed_and_over_budget_lines(tiny_model_dir, tmp_pat
         json.dumps({"id": "e", "prompt": "short", "budget": 64}),
     ])
     out = tmp_path / "out.jsonl"
-    result = run(tiny_model_dir, prompts, out)
+    result = run(tiny_model_dir, prompts, out, "-p", "epikv")  # epikv protects the prompt: line c cannot fit
     assert result.exit_code == 1
     rows = {r["id"]: r for r in records(out)}
     assert list(rows) == ["a", 2, "b", "c", "d", "e"]  # input order; unreadable lines take their line number as id

@@ -72,10 +72,10 @@ def test_calibrated_bands_are_saved_and_used_until_overridden(tiny_model_dir, tm
     assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE)) and len(data["spearman"]) == 4
     saved = json.loads(open(data["path"]).read())
     assert saved["bands"] == [list(b) for b in data["bands"]]
-    run = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-n", "4", "--json", "hi"])
+    run = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "hi"])
     used = json.loads(run.stdout)
     assert used["bands"] == saved["bands"] and used["bands_source"] == f"calibrated ({data['path']})"
-    override = json.loads(runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-n", "4", "--json", "--bands", "0:+1", "hi"]).stdout)
+    override = json.loads(runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "--bands", "0:+1", "hi"]).stdout)
     assert override["bands"] == [[0, 1.0]] and override["bands_source"] == "--bands"
 
 

@@ -79,7 +79,7 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    "extra", [["--bands", "0:+1,3:-1"], ["--positions", "compressed"], *(["--policy", name] for name in sorted(POLICIES) if name != "full")]
+    "extra", [["-p", "epikv", "--bands", "0:+1,3:-1"], ["--positions", "compressed"], *(["--policy", name] for name in sorted(POLICIES) if name != "full")]
 )
 def test_every_policy_and_mode_runs(tiny_model_dir, extra):
     result = invoke("generate", "--model", str(tiny_model_dir), "-n", "160", "-b", "24", "--json", "--ignore-eos", *extra, "hi")
@@ -106,10 +106,10 @@ def test_bad_input_before_loading(args, needles):
 @pytest.mark.parametrize(
     "args, input, needles",
     [
-        (["--budget", "20", "a long enough prompt"], None, ["--budget 20 is not larger than", "use --budget"]),
+        (["-p", "epikv", "--budget", "20", "a long enough prompt"], None, ["--budget 20 is not larger than", "use --budget"]),
         ([""], None, ["prompt is empty"]),
         (["-"], "   \n", ["prompt is empty"]),
-        (["--bands", "0:+1,9:-1", "hi"], None, ["band layer 9 is out of range"]),
+        (["-p", "epikv", "--bands", "0:+1,9:-1", "hi"], None, ["band layer 9 is out of range"]),
         (["--no-chat-template", "--system", "x", "hi"], None, ["--system needs a chat template"]),
     ],
 )
@@ -302,7 +302,10 @@ def suggested_budget(stderr: str) -> int:
     return int(re.search(r"use --budget (\d+) or more", stderr).group(1))
 
 
-@pytest.mark.parametrize("prompt, extra", [("hello", []), ("a" * 300, []), ("hello", ["--recent", "30"]), ("hello", ["-p", "streaming"])])
+@pytest.mark.parametrize(
+    "prompt, extra",
+    [("hello", []), ("hello", ["-p", "epikv"]), ("a" * 300, ["-p", "epikv"]), ("hello", ["-p", "epikv", "--recent", "30"]), ("hello", ["-p", "streaming"])],
+)
 def test_the_suggested_budget_works_and_is_the_smallest(tiny_model_dir, prompt, extra):
     def run(budget):
         return invoke("generate", "--model", str(tiny_model_dir), "-n", "3", "-q", "-b", str(budget), *extra, prompt)

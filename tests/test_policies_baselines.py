@@ -122,7 +122,8 @@ def test_epikv2_keeps_sinks_and_its_recent_share_and_evicts_the_least_attended()
     from epikv_cli.policies.epikv2 import EpiKV2
 
     policy = EpiKV2(budget=8, sinks=2, recent=0.25, period=1)  # recent window: 2 tokens
-    assert policy.recent == 2 and policy.min_budget(100) == 5  # the prompt is not kept
+    # the prompt is not kept; the smallest K holds 2 sinks, round(0.25 K) recent tokens and one more: K = 4
+    assert policy.recent == 2 and policy.min_budget(100) == 4
     policy.received.add(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3]))
     cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
     # sinks 0, 1 and the recent 7, 8 are kept; lowest received among 2..6: 5 (0.05), then 3 (0.1)

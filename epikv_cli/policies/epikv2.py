@@ -72,7 +72,8 @@ class EpiKV2(Policy):
                 "prompt score|keep, signal attention|epiphany|none"
             )
         self.sinks = sinks
-        self.recent = int(round(recent * budget)) if recent < 1 else int(recent)
+        self.recent_share = recent
+        self.recent = self.recent_for(budget)
         self.period = period
         self.decay = decay
         self.keep_prompt = prompt == "keep"
@@ -125,12 +126,23 @@ class EpiKV2(Policy):
         self.received.add(positions, received)
         self._stale = True
 
+    def recent_for(self, budget: int) -> int:
+        """The recent window under a budget of ``budget`` tokens (a share of K below 1, else tokens)."""
+        return int(round(self.recent_share * budget)) if self.recent_share < 1 else int(self.recent_share)
+
     def min_budget(self, prompt_len: int) -> int:
-        kept = self.sinks + self.recent + (prompt_len if self.keep_prompt else 0)
-        return kept + 1
+        """Smallest K that holds the sinks, the recent share of K (and the prompt with prompt=keep) and one more.
+
+        K - recent(K) never decreases as K grows, so iterating from below reaches the smallest fixed point.
+        """
+        floor = self.sinks + (prompt_len if self.keep_prompt else 0) + 1
+        budget = floor
+        while budget < (needed := floor + self.recent_for(budget)):
+            budget = needed
+        return budget
 
     def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        what = f"{self.sinks} sink tokens and a {self.recent}-token recent window"
+        what = f"{self.sinks} sink tokens and a {self.recent_for(needed)}-token recent window"
         if self.keep_prompt:
             what += f" and the {prompt_len}-token prompt"
         return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
