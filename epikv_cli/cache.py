@@ -323,15 +323,12 @@ class BudgetCache(Cache):
             return []
         positions = self.table.positions[slots].tolist()
         holes, movers = self.table.plan_eviction(slots)
-        if len(holes) == 1:  # the steady state: one entry leaves per step; plain slices, no index tensors to copy
-            for layer in self.budget_layers:
-                if layer.is_initialized:
-                    layer.move_one(holes[0], movers[0], self.table.stored)
-            self.evicted_total += len(positions)
-            return positions
         device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.budget_layers:
             if not layer.is_initialized:
+                continue
+            if len(holes) == 1:  # the steady state, one entry leaves per step: plain slices, no index tensors to copy
+                layer.move_one(holes[0], movers[0], self.table.stored)
                 continue
             if layer.device not in device_index:
                 device_index[layer.device] = (

@@ -131,9 +131,10 @@ class EpiKV(ScoredPolicy):
             if band.previous is None:  # no prefill seen: the first token has nothing to differ from
                 band.previous = states[0]
             chain = torch.cat([band.previous.to(states.device).unsqueeze(0), states])
-            changes.append((chain[1:] - chain[:-1]).norm(dim=-1).to(changes[0].device if changes else states.device))  # [q]
+            changes.append((chain[1:] - chain[:-1]).norm(dim=-1))  # [q]
             band.previous = states[-1].clone()
-        per_band = torch.stack(changes).tolist()  # [bands][q]: one device-to-host copy for all bands
+        # [bands][q]: one device-to-host copy for all bands
+        per_band = torch.stack([change.to(changes[0].device) for change in changes]).tolist()
         for j, position in enumerate(appended):
             ds = tuple(per_band[b][j] for b in range(len(self.bands)))
             zs = tuple(band.zscore.push(d) for band, d in zip(self.bands, ds))

@@ -20,7 +20,6 @@ else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), `
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import TYPE_CHECKING, ClassVar
 
@@ -31,7 +30,7 @@ from ..errors import UsageError
 from ..settings import CacheSettings
 from .base import Policy, Signals
 from .epikv import EpiKV
-from .keep_scored import ScoreBook
+from .keep_scored import CandidateHeap, ScoreBook
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
@@ -82,9 +81,8 @@ class EpiKV2(Policy):
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()
         self._decode_steps = 0
-        self._heap: list[tuple[float, int]] = []  # (score, position) of the evictable tokens
+        self.candidates = CandidateHeap(unscored=0.0)
         self._stale = True  # scores changed since the heap was built
-        self._next_candidate = 0  # the next position to leave the recent window
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -157,17 +155,8 @@ class EpiKV2(Policy):
         floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
         end = cache.seen - self.recent
         if self._stale:
-            positions = cache.live_positions()
-            positions = positions[(positions >= floor) & (positions < end)]
-            scores = torch.nan_to_num(book.gather(positions), nan=0.0)
-            self._heap = list(zip(scores.tolist(), positions.tolist()))
-            heapq.heapify(self._heap)
+            self.candidates.rebuild(book, cache.live_positions(), floor, end)
             self._stale = False
         else:
-            for position in range(max(floor, self._next_candidate), end):
-                score = book.get(position)
-                heapq.heappush(self._heap, (0.0 if score is None else score, position))
-        self._next_candidate = max(self._next_candidate, end)
-        if count > len(self._heap):
-            raise RuntimeError(f"asked to evict {count} tokens but only {len(self._heap)} are evictable")
-        return cache.slots_of([heapq.heappop(self._heap)[1] for _ in range(count)])
+            self.candidates.admit(book, floor, end)
+        return cache.slots_of(self.candidates.pop(count))

@@ -56,6 +56,44 @@ class ScoreBook:
         return out
 
 
+class CandidateHeap:
+    """Evictable tokens as ``(score, position)``, lowest first (ties: the older token).
+
+    Tokens become evictable in position order as they leave the recent window, so each step
+    :meth:`admit` pushes only the newcomers and :meth:`pop` takes the lowest: O(log K) per eviction
+    while scores stay frozen. A policy whose scores change calls :meth:`rebuild` instead.
+
+    Args:
+        unscored: the score a token without one gets (``inf``: it leaves last; 0: neutral).
+    """
+
+    def __init__(self, unscored: float) -> None:
+        self.unscored = unscored
+        self.items: list[tuple[float, int]] = []
+        self.next_candidate = 0  # every position below it was admitted already
+
+    def admit(self, book: ScoreBook, floor: int, end: int) -> None:
+        """Push the positions from ``floor`` (or the first not yet admitted) up to ``end`` with their scores."""
+        for position in range(max(floor, self.next_candidate), end):
+            score = book.get(position)
+            heapq.heappush(self.items, (self.unscored if score is None else score, position))
+        self.next_candidate = max(self.next_candidate, end)
+
+    def rebuild(self, book: ScoreBook, live: torch.Tensor, floor: int, end: int) -> None:
+        """Start over from the ``live`` positions ``[n]`` in ``[floor, end)`` with their current scores."""
+        positions = live[(live >= floor) & (live < end)]
+        scores = torch.nan_to_num(book.gather(positions), nan=self.unscored)
+        self.items = list(zip(scores.tolist(), positions.tolist()))
+        heapq.heapify(self.items)
+        self.next_candidate = max(self.next_candidate, end)
+
+    def pop(self, count: int) -> list[int]:
+        """The positions of the ``count`` lowest scores, removed from the heap."""
+        if count > len(self.items):
+            raise RuntimeError(f"asked to evict {count} tokens but only {len(self.items)} are evictable")
+        return [heapq.heappop(self.items)[1] for _ in range(count)]
+
+
 class ScoredPolicy(Policy):
     """A policy whose tokens carry a frozen score; evicts the lowest-scoring evictable tokens.
 
@@ -71,8 +109,7 @@ class ScoredPolicy(Policy):
     def __init__(self) -> None:
         self.book = ScoreBook()
         self.nonfinite = 0
-        self._heap: list[tuple[float, int]] = []
-        self._next_candidate: int | None = None  # the next position to become evictable
+        self.candidates = CandidateHeap(unscored=math.inf)
 
     def record_score(self, position: int, score: float) -> None:
         if not math.isfinite(score):
@@ -81,15 +118,8 @@ class ScoredPolicy(Policy):
         self.book.set(position, score)
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
-        start = cache.prompt_len if self._next_candidate is None else self._next_candidate
-        end = cache.seen - self.recent
-        for position in range(start, end):  # the tokens that left the recent window since the last step
-            score = self.book.get(position)
-            heapq.heappush(self._heap, (math.inf if score is None else score, position))
-        self._next_candidate = max(start, end)
-        if count > len(self._heap):
-            raise RuntimeError(f"asked to evict {count} tokens but only {len(self._heap)} are evictable")
-        return cache.slots_of([heapq.heappop(self._heap)[1] for _ in range(count)])
+        self.candidates.admit(self.book, cache.prompt_len, cache.seen - self.recent)
+        return cache.slots_of(self.candidates.pop(count))
 
     def score_of(self, position: int) -> float | None:
         return self.book.get(position)

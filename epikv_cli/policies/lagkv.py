@@ -55,13 +55,13 @@ def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) ->
     return normalised.std(dim=-1, unbiased=True).mean(dim=0)
 
 
-def layer_mean(cache: BudgetCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise mean over evicting layers of the live keys and values, ``[kv_heads, n, dim]`` each (slot order)."""
+def layer_mean(cache: BudgetCache, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise mean over evicting layers of the live keys and values of slots ``start:stop``, ``[kv_heads, n, dim]`` each."""
     keys = values = None
     layers = cache.budget_layers
     for layer in layers:
         k, v = layer.live()
-        k, v = k[0].float(), v[0].float()
+        k, v = k[0, :, start:stop].float(), v[0, :, start:stop].float()
         if keys is None:
             keys, values = k.clone(), v.clone()
         else:
@@ -94,17 +94,7 @@ class LagKV(Policy):
         if cache is None or not count:
             return
         stored = cache.stored
-        layers = cache.budget_layers
-        keys = values = None
-        for layer in layers:  # the arithmetic of layer_mean, on the new slots only
-            k, v = layer.live()
-            k, v = k[0, :, stored - count : stored].float(), v[0, :, stored - count : stored].float()
-            if keys is None:
-                keys, values = k.clone(), v.clone()
-            else:
-                keys += k.to(keys.device)
-                values += v.to(values.device)
-        keys, values = keys / len(layers), values / len(layers)
+        keys, values = layer_mean(cache, stored - count, stored)
         if self.mean_keys is None or stored > self.mean_keys.shape[1]:
             size = max(stored, 2 * (self.mean_keys.shape[1] if self.mean_keys is not None else 0))
             grown = [torch.zeros(keys.shape[0], size, keys.shape[2], device=keys.device) for _ in range(2)]
