@@ -1,15 +1,20 @@
 """The budget cache: preallocated KV slots, logical positions, keep-set application.
 
-It knows nothing about scores. A policy names the slots to drop; :meth:`BudgetCache.evict` fills the
-holes with the newest entries (O(evicted) slot moves per layer, never a copy of the whole cache) and
-keeps a slot -> logical position map for whoever needs the order back.
+It knows nothing about scores. A policy names the slots to drop. In the steady state one entry leaves
+per step, and its slot is simply left free: the next token is written into it, so nothing moves.
+When several leave at once (a prefill over the budget, R-KV's batch compression) the holes are
+filled with the newest entries (O(evicted) slot moves per layer, never a copy of the whole cache).
+A slot -> logical position map gives whoever needs it the order back.
 
 Layout of every evicting layer: ``keys``/``values`` of shape ``[1, kv_heads, capacity, head_dim]``;
-slots ``0 .. stored-1`` are live, in no particular order. Sliding-window layers (Mistral, Gemma 3's
+slots ``0 .. used-1`` are in use, in no particular order; at most one of them is free between
+forwards (see :class:`SlotTable`). Sliding-window layers (Mistral, Gemma 3's
 local layers) are bounded already and stay transformers' own ``DynamicSlidingWindowLayer``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -44,8 +49,10 @@ class SlotTable:
 
     Attributes:
         positions: ``[capacity]`` int64 on the CPU; ``positions[s]`` is the logical index of the token
-            in slot ``s``, valid for ``s < stored``.
-        stored: live slots.
+            in slot ``s``, valid for ``s < used`` except the free slot.
+        stored: live entries.
+        free: the slot left by the single entry the last step evicted, which the next token will fill
+            (``None`` when every used slot is live, always the case while a forward's policy runs).
         seen: logical length, i.e. tokens ever appended.
         committed: ``seen`` at the end of the last forward (tokens after it are still being scored).
         prompt_len: tokens appended by the first forward, the prompt (``None`` before it).
@@ -56,13 +63,31 @@ class SlotTable:
     def __init__(self, capacity: int) -> None:
         self.positions = torch.zeros(capacity, dtype=torch.long)
         self.stored = 0
+        self.free: int | None = None
         self.seen = 0
         self.committed = 0
         self.prompt_len: int | None = None
         self.slot_of: dict[int, int] = {}
 
-    def append(self, count: int) -> None:
-        """Record ``count`` new tokens at the end of the live slots."""
+    @property
+    def used(self) -> int:
+        """Slots in use: the live ones plus the free one."""
+        return self.stored + (self.free is not None)
+
+    def append(self, count: int) -> WritePlan:
+        """Record ``count`` new tokens; return where every evicting layer writes them.
+
+        One token fills the free slot if there is one. Several tokens need contiguous slots at the end,
+        so a free slot is first closed by moving the last used entry into it.
+        """
+        if self.free is not None and count == 1:
+            slot, self.free = self.free, None
+            self.positions[slot] = self.seen
+            self.slot_of[self.seen] = slot
+            self.stored += 1
+            self.seen += 1
+            return WritePlan(slot)
+        closed = self._close_free()
         needed = self.stored + count
         if needed > self.positions.numel():
             grown = torch.zeros(max(needed, self.positions.numel() * _GROWTH), dtype=torch.long)
@@ -70,30 +95,57 @@ class SlotTable:
             self.positions = grown
         self.positions[self.stored : needed] = torch.arange(self.seen, self.seen + count)
         self.slot_of.update(zip(range(self.seen, self.seen + count), range(self.stored, needed)))
-        self.stored = needed
+        start, self.stored = self.stored, needed
         self.seen += count
+        return WritePlan(start, closed)
+
+    def _close_free(self) -> tuple[int, int] | None:
+        """Move the last used entry into the free slot; return ``(hole, mover)`` (None when nothing moves)."""
+        hole, self.free = self.free, None
+        if hole is None or hole == self.stored:  # no free slot, or it was the last one
+            return None
+        mover = self.stored
+        self.positions[hole] = self.positions[mover]
+        self.slot_of[int(self.positions[hole])] = hole
+        return hole, mover
 
     def live_positions(self) -> torch.Tensor:
-        """``[stored]`` logical positions, in slot order."""
-        return self.positions[: self.stored]
+        """``[stored]`` logical positions, in slot order when no slot is free (a view), else without the free slot."""
+        if self.free is None:
+            return self.positions[: self.stored]
+        return torch.cat([self.positions[: self.free], self.positions[self.free + 1 : self.used]])
 
     def plan_eviction(self, slots: list[int]) -> tuple[list[int], list[int]]:
         """Update the map for dropping ``slots``; return ``(holes, movers)``: move slot ``movers[i]`` to ``holes[i]``.
 
-        The newest live slots not being dropped fill the holes left below the new length, so only
-        ``len(slots)`` entries move.
+        A single slot leaving a table with no free slot becomes the free slot: nothing moves. Otherwise
+        the newest used slots not being dropped fill the holes left below the new length (a free slot
+        counts as a hole), so only ``len(slots)`` entries move.
         """
-        drop = set(slots)
-        for slot in drop:
+        for slot in slots:
             del self.slot_of[int(self.positions[slot])]
-        holes, movers = fill_plan(self.stored, drop)
-        new_stored = self.stored - len(drop)
+        if len(slots) == 1 and self.free is None:
+            self.free = slots[0]
+            self.stored -= 1
+            return [], []
+        drop = set(slots) | ({self.free} if self.free is not None else set())
+        holes, movers = fill_plan(self.used, drop)
         if holes:
             self.positions[holes] = self.positions[movers]
             for hole in holes:
                 self.slot_of[int(self.positions[hole])] = hole
-        self.stored = new_stored
+        self.stored -= len(slots)
+        self.free = None
         return holes, movers
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Where a forward's new entries go in every evicting layer: from slot ``start`` on, after moving
+    slot ``close[1]`` into slot ``close[0]`` when a free slot had to be closed first."""
+
+    start: int
+    close: tuple[int, int] | None = None
 
 
 class BudgetLayer(CacheLayerMixin):
@@ -126,8 +178,8 @@ class BudgetLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
             raise UsageError(
-                f"the EpiKV cache holds one sequence (one global keep-set); got batch size {key_states.shape[0]}; "
-                "run prompts one at a time"
+                f"this EpiKV cache holds one sequence (one global keep-set); got batch size {key_states.shape[0]}; "
+                "attach with batch_size=N for a batch, or run prompts one at a time"
             )
         self.device = key_states.device
         heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
@@ -146,20 +198,24 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = capacity
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[1, kv_heads, q, head_dim]`` new states into free slots; return the live ``[1, kv_heads, stored, head_dim]`` views."""
+        """Write ``[1, kv_heads, q, head_dim]`` new states where ``plan`` says (default: after the used
+        slots); return the ``[1, kv_heads, used, head_dim]`` views, every used slot live."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
-        end = self.length + count
+        if plan is not None and plan.close is not None:
+            self.move_one(*plan.close, self.length - 1)
+        start = self.length if plan is None else plan.start
+        end = start + count
         if end > self.capacity:
             self._grow(end)
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
-        self.length = end
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.length = max(self.length, end)
         self.seen += count
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def move(self, holes: torch.Tensor, movers: torch.Tensor, new_length: int) -> None:
         """Copy slots ``movers`` into ``holes`` (both ``[m]`` int64 on this layer's device) and shrink to ``new_length``."""
@@ -175,13 +231,16 @@ class BudgetLayer(CacheLayerMixin):
         self.length = new_length
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The live ``[1, kv_heads, stored, head_dim]`` keys and values (slot order)."""
+        """The used ``[1, kv_heads, used, head_dim]`` keys and values (slot order; all live while a forward's policy runs)."""
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Slot j holds, for masking purposes, logical index (seen - length) + j: every stored token
-        # lies before the query, and new tokens are appended last, in order, so causality holds.
-        return self.length + query_length, self.seen - self.length
+    def get_mask_sizes(self, query_length: int, free: bool = False) -> tuple[int, int]:
+        # Slot j holds, for masking purposes, logical index kv_offset + j: every stored token lies
+        # before the query and new tokens come last (or, one at a time, into the free slot, where a
+        # single query sees every key anyway), so causality holds. A free slot is filled (or closed)
+        # by the forward, so it adds no key.
+        kv_length = self.length + query_length - int(free)
+        return kv_length, self.seen - (kv_length - query_length)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -265,6 +324,8 @@ class BudgetCache(Cache):
         self.evicted_total = 0
         self.peak_stored = 0
         self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
+        self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
+        self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
 
     def reset(self) -> None:
         """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
@@ -277,9 +338,17 @@ class BudgetCache(Cache):
 
     # -- transformers hooks -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx == self._first_budget_layer:
-            self.table.append(key_states.shape[-2])
+        if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
+            self._plan = self.table.append(key_states.shape[-2])
+        if isinstance(self.layers[layer_idx], BudgetLayer):
+            kwargs["plan"] = self._plan
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, BudgetLayer):
+            return layer.get_mask_sizes(query_length, free=self.table.free is not None)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     @property
@@ -299,7 +368,8 @@ class BudgetCache(Cache):
         return self.table.seen
 
     def live_positions(self) -> torch.Tensor:
-        """``[stored]`` logical positions of the live slots, in slot order (CPU, int64)."""
+        """``[stored]`` logical positions of the live slots (CPU, int64), in slot order while a forward's
+        policy runs (between forwards the free slot, if any, is left out)."""
         return self.table.live_positions()
 
     def slots_of(self, positions: list[int]) -> list[int]:
@@ -318,7 +388,11 @@ class BudgetCache(Cache):
         return max(0, self.stored - self.budget)
 
     def evict(self, slots: list[int]) -> list[int]:
-        """Drop ``slots`` from every evicting layer; return their logical positions."""
+        """Drop ``slots`` from every evicting layer; return their logical positions.
+
+        One slot leaving is left free for the next token (nothing moves); several are filled by the
+        newest entries, and the policy's slot-indexed state follows the same moves.
+        """
         if not slots:
             return []
         positions = self.table.positions[slots].tolist()
@@ -327,15 +401,17 @@ class BudgetCache(Cache):
         for layer in self.budget_layers:
             if not layer.is_initialized:
                 continue
-            if len(holes) == 1:  # the steady state, one entry leaves per step: plain slices, no index tensors to copy
-                layer.move_one(holes[0], movers[0], self.table.stored)
-                continue
-            if layer.device not in device_index:
+            if holes and layer.device not in device_index:
                 device_index[layer.device] = (
                     torch.tensor(holes, dtype=torch.long, device=layer.device),
                     torch.tensor(movers, dtype=torch.long, device=layer.device),
                 )
-            layer.move(*device_index[layer.device], self.table.stored)
+            if holes:
+                layer.move(*device_index[layer.device], self.table.used)
+            layer.length = self.table.used
+        policy = getattr(self, "policy", None)
+        if holes and policy is not None:
+            policy.follow_moves(holes, movers)
         self.evicted_total += len(positions)
         return positions
 

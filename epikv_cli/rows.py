@@ -4,7 +4,8 @@ A :class:`RowsCache` holds B rows. Every layer keeps ``[B, kv_heads, capacity, h
 which each row's live entries are compact (slots ``0 .. stored_b - 1``, shorter rows padded); an
 attention mask hides the padding. Rows join already prefilled (a single-sequence session hands over
 its cache, policy state and queries) and leave when their sequence ends, so the batch can be kept
-full from a queue. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry
+full from a queue; or a whole left-padded batch is prefilled at once (``model.generate`` with a
+batch), after which each row's entries are moved to the front of its slots and the padding dropped. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry
 leaves once a row holds ``window - 1``.
 
 Each step every row takes one token; the policies see each row through a :class:`RowView`, which
@@ -25,6 +26,8 @@ from .policies import Policy
 from .settings import CacheSettings
 
 FULL, SLIDING = "full", "sliding"
+#: Slots allocated beyond a batched prefill's length (then doubling as rows grow).
+PREFILL_HEADROOM = 64
 
 
 @dataclass
@@ -62,7 +65,19 @@ class RowsLayer(CacheLayerMixin):
         raise RuntimeError("rows join a RowsCache through RowsCache.adopt")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write ``[B, kv_heads, 1, head_dim]`` at each row's next slot; return ``[B, kv_heads, L, head_dim]``."""
+        """Write ``[B, kv_heads, 1, head_dim]`` at each row's next slot; return ``[B, kv_heads, L, head_dim]``.
+
+        During a batched prefill (:meth:`RowsCache.begin_prefill`) the whole padded ``[B, kv_heads, n,
+        head_dim]`` prompt is written to slots ``0 .. n - 1`` instead, as a plain cache would.
+        """
+        if self.owner.prefilling:
+            count = key_states.shape[-2]
+            shape = (*key_states.shape[:2], count + PREFILL_HEADROOM, key_states.shape[-1])
+            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+            self.keys[:, :, :count], self.values[:, :, :count] = key_states, value_states
+            self.is_initialized = True
+            self.owner.prefill_length = count
+            return self.keys[:, :, :count], self.values[:, :, :count]
         if key_states.shape[-2] != 1:
             raise UsageError("batched decoding feeds one token per row and step; prompts join through adopt()")
         slots, length = self.owner.step_slots[self.group], self.owner.step_lengths[self.group]
@@ -102,6 +117,8 @@ class RowsCache(Cache):
         self.rows: list[Row] = []
         self.step_slots: dict[str, torch.Tensor] = {}
         self.step_lengths: dict[str, int] = {}
+        self.prefilling = False
+        self.prefill_length = 0  # the padded prompt length of the batched prefill
 
     # -- rows joining and leaving ---------------------------------------------------------------
     @property
@@ -142,6 +159,43 @@ class RowsCache(Cache):
         self.rows.append(Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored))
         return len(self.rows) - 1
 
+    def begin_prefill(self) -> None:
+        """The next forward is a whole left-padded batch of prompts, written as it comes (an empty cache only)."""
+        if self.rows:
+            raise UsageError("a batch of prompts can only be prefilled into an empty cache; start a new one for the next batch")
+        self.prefilling = True
+        self.step_lengths.clear()
+
+    def finish_prefill(self, pads: list[int], settings: list[CacheSettings], policies: list[Policy], queries_needed: list[int]) -> None:
+        """Turn the prefilled batch into rows: row ``b``'s real tokens (after its ``pads[b]`` padding) move to
+        the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table and policy."""
+        self.prefilling = False
+        length = self.prefill_length
+        keep = {FULL: [length - pad for pad in pads]}
+        if SLIDING in self.groups:
+            keep[SLIDING] = [min(length - pad, self.window - 1) for pad in pads]
+        for layer in self.layers:
+            for row, count in enumerate(keep[layer.group]):
+                if count < length:  # shift the row's last `count` entries to slots 0 .. count - 1
+                    layer.keys[row, :, :count] = layer.keys[row, :, length - count : length].clone()
+                    layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
+        for row, (setting, policy) in enumerate(zip(settings, policies)):
+            prompt = length - pads[row]
+            tables = {}
+            for group, counts in keep.items():
+                count = counts[row]
+                table = SlotTable(max(count, 1))
+                table.positions[:count] = torch.arange(prompt - count, prompt)
+                table.stored, table.seen, table.committed, table.prompt_len = count, prompt, prompt, prompt
+                table.slot_of = {prompt - count + i: i for i in range(count)}
+                tables[group] = table
+            budget = setting.budget if policy.evicts else None
+            self.rows.append(Row(setting, policy, budget, tables, queries_needed[row]))
+
+    def row(self, index: int) -> RowView:
+        """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ``policy``, ...)."""
+        return RowView(self, index)
+
     def keep_rows(self, keep: list[int]) -> None:
         """Drop every row not in ``keep`` (finished sequences), in that order."""
         index = torch.tensor(keep, dtype=torch.long)
@@ -153,38 +207,44 @@ class RowsCache(Cache):
 
     # -- one decoding step ------------------------------------------------------------------------
     def begin_step(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Reserve each row's next slot; return ``position_ids [B, 1]`` and a ``[B, 1, 1, L]`` additive mask per group."""
+        """Reserve each row's next slot (its free slot, else the one after its used slots); return
+        ``position_ids [B, 1]`` and a ``[B, 1, 1, L]`` additive mask per group."""
         masks = {}
         for group in set(self.groups):
-            stored = torch.tensor([row.tables[group].stored for row in self.rows])
-            length = int(stored.max()) + 1
+            tables = [row.tables[group] for row in self.rows]
+            slots = torch.tensor([table.used if table.free is None else table.free for table in tables])
+            used_after = torch.tensor([table.stored + 1 for table in tables])  # every used slot live after the write
+            length = int(used_after.max())
             for layer in self.layers:
                 if layer.group == group and length > layer.keys.shape[2]:
                     grown = max(length, 2 * layer.keys.shape[2])
                     extra = grown - layer.keys.shape[2]
                     layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
                     layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
-            self.step_slots[group] = stored.to(device)
+            self.step_slots[group] = slots.to(device)
             self.step_lengths[group] = length
-            visible = torch.arange(length)[None, :] <= stored[:, None]
+            visible = torch.arange(length)[None, :] < used_after[:, None]
             mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
             masks[group] = mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min).to(device)
         positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
         return torch.tensor(positions, device=device).unsqueeze(1), masks
 
     def end_step(self) -> None:
-        """Record the entries the step appended (one per row and group)."""
+        """Record the entries the step appended (one per row and group, where :meth:`begin_step` put them)."""
         for row in self.rows:
             for table in row.tables.values():
                 table.append(1)
             row.full.committed = row.full.seen
 
     def evict(self, plans: dict[str, list[tuple[int, list[int]]]]) -> None:
-        """Drop, per group, ``(row, slots)`` pairs: holes are filled by each row's newest entries."""
+        """Drop, per group, ``(row, slots)`` pairs: a single slot is left free for the row's next token,
+        several are filled by the row's newest entries (and its policy's slot-indexed state follows)."""
         for group, pairs in plans.items():
             rows, holes, movers = [], [], []
             for row_index, slots in pairs:
                 hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
+                if hole and group == FULL:
+                    self.rows[row_index].policy.follow_moves(hole, mover)
                 rows += [row_index] * len(hole)
                 holes += hole
                 movers += mover
@@ -208,12 +268,14 @@ class RowsCache(Cache):
 
 
 def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
-    """The slot table of a joining row: a copy of the budget table, or the last ``count`` positions (sliding)."""
+    """The slot table of a joining row: a copy of the budget table (``count`` used slots, the free one
+    included), or the last ``count`` positions (sliding)."""
     if group == FULL and source.budget_layer_indices:
         table = SlotTable(max(count, 1))
         origin = source.table
         table.positions[:count] = origin.positions[:count]
-        table.stored, table.seen, table.committed, table.prompt_len = origin.stored, origin.seen, origin.committed, origin.prompt_len
+        table.stored, table.free = origin.stored, origin.free
+        table.seen, table.committed, table.prompt_len = origin.seen, origin.committed, origin.prompt_len
         table.slot_of = dict(origin.slot_of)
         return table
     seen = source.seen
@@ -259,12 +321,20 @@ class RowView:
         return self.row.evicted_total
 
     @property
+    def peak_stored(self) -> int:
+        return self.row.peak_stored
+
+    @property
+    def policy(self) -> Policy:
+        return self.row.policy
+
+    @property
     def budget_layer_indices(self) -> list[int]:
         return self.cache.full_layer_indices
 
     @property
     def budget_layers(self) -> list[_LayerRow]:
-        return [_LayerRow(self.cache.layers[i], self.index, self.stored) for i in self.cache.full_layer_indices]
+        return [_LayerRow(self.cache.layers[i], self.index, self.row.full.used) for i in self.cache.full_layer_indices]
 
 
 class _LayerRow:

@@ -114,3 +114,53 @@ def test_never_more_slots_than_the_sequence_can_hold():
     full = BudgetCache(ARCHITECTURES["llama"](), budget=None, max_tokens=10**8)
     full.update(*states(10), 0)
     assert full.layers[0].keys.shape[-2] == 10 + HEADROOM
+
+
+def test_single_eviction_leaves_its_slot_free_for_the_next_token():
+    table = SlotTable(8)
+    table.append(5)
+    assert table.plan_eviction([2]) == ([], [])  # nothing moves
+    assert table.free == 2 and table.stored == 4 and table.used == 5
+    assert table.live_positions().tolist() == [0, 1, 3, 4]
+    plan = table.append(1)
+    assert plan.start == 2 and plan.close is None
+    assert table.free is None and table.live_positions().tolist() == [0, 1, 5, 3, 4]
+    assert table.slot_of[5] == 2 and 2 not in table.slot_of
+
+
+def test_a_free_slot_is_closed_before_several_tokens_are_appended():
+    table = SlotTable(8)
+    table.append(5)
+    table.plan_eviction([1])
+    plan = table.append(2)
+    assert plan.close == (1, 4) and plan.start == 4  # the last entry fills the hole, then two at the end
+    assert table.live_positions().tolist() == [0, 4, 2, 3, 5, 6]
+    assert {p: table.slot_of[p] for p in (4, 5, 6)} == {4: 1, 5: 4, 6: 5}
+
+
+def test_evicting_with_a_free_slot_compacts_it_too():
+    table = SlotTable(8)
+    table.append(6)
+    table.plan_eviction([4])
+    holes, movers = table.plan_eviction([0])
+    assert (holes, movers) == ([0], [5])
+    assert table.free is None and table.live_positions().tolist() == [5, 1, 2, 3]
+
+
+def test_steady_state_eviction_moves_nothing_and_the_next_token_takes_the_slot():
+    config = ARCHITECTURES["llama"]()
+    cache = BudgetCache(config, budget=6)
+    for layer_idx in range(config.num_hidden_layers):
+        cache.update(*states(7), layer_idx)
+    cache.commit()
+    before = [layer.keys.clone() for layer in cache.budget_layers]
+    assert cache.evict([3]) == [3]
+    for layer, old in zip(cache.budget_layers, before):
+        assert torch.equal(layer.keys, old)  # eviction touched no buffer
+    assert cache.live_positions().tolist() == [0, 1, 2, 4, 5, 6]
+    assert cache.get_mask_sizes(1, 0) == (7, 1)  # 6 live + the new one, written into the free slot
+    for layer_idx in range(config.num_hidden_layers):
+        k, _ = cache.update(*states(1, start=7), layer_idx)
+        assert k[0, 0, :, 0].tolist() == [0, 1, 2, 7, 4, 5, 6]
+    cache.commit()
+    assert cache.stored == 7 and cache.live_positions().tolist() == [0, 1, 2, 7, 4, 5, 6]

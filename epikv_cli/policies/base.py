@@ -35,6 +35,11 @@ class Signals:
     attention: AttentionRecord | None = None
     cache: BudgetCache | None = None
 
+    def new_slots(self) -> slice:
+        """The cache slots holding the appended tokens (always a contiguous run: the free slot, or the end)."""
+        start = self.cache.slots_of([self.appended.start])[0]
+        return slice(start, start + len(self.appended))
+
 
 class Policy(ABC):
     """Turns signals from the forward pass into the slots to evict.
@@ -113,6 +118,9 @@ class Policy(ABC):
     @abstractmethod
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         """Return ``count`` live slots of ``cache`` to evict."""
+
+    def follow_moves(self, holes: list[int], movers: list[int]) -> None:
+        """The cache moved slot ``movers[i]`` into ``holes[i]``: slot-indexed state must follow (default: none kept)."""
 
     def recent_for(self, budget: int) -> int:
         """R under a budget of ``budget`` tokens (the default window grows with K)."""

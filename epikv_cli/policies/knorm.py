@@ -30,9 +30,9 @@ class KeyNorm(ScoredPolicy):
         return cls(recent=cls.recent_from(settings))
 
     def observe(self, signals: Signals) -> None:
-        cache, count = signals.cache, len(signals.appended)
+        cache, slots = signals.cache, signals.new_slots()
         norms = [
-            layer.live()[0][0, :, -count:].float().norm(dim=-1).mean(dim=0).cpu()  # [count]
+            layer.live()[0][0, :, slots].float().norm(dim=-1).mean(dim=0).cpu()  # [count]
             for layer in cache.budget_layers
         ]
         scores = -torch.stack(norms).mean(dim=0)

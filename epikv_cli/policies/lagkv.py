@@ -10,7 +10,7 @@ At every eviction, over the whole current cache:
 The lowest-scoring evictable tokens leave (same protection as EpiKV-Flat). No softmax.
 
 Cached keys never change, so the layer means of step 1 are accumulated once per token, when it is
-appended, into slot-indexed buffers that follow the cache's slot moves: an eviction costs one
+appended, into slot-indexed buffers that follow the cache's slot moves (``follow_moves``): an eviction costs one
 O(K * head_dim) pass over those means instead of O(layers * K * head_dim) over the whole cache.
 """
 
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..settings import CacheSettings
-from ..cache import fill_plan
 from .base import Policy, Signals, evictable_mask, lowest
 
 if TYPE_CHECKING:
@@ -89,22 +88,22 @@ class LagKV(Policy):
         return cls(recent=cls.recent_from(settings))
 
     def observe(self, signals: Signals) -> None:
-        """Add the appended tokens' layer-mean keys and values (the last ``q`` live slots) to the buffers."""
+        """Add the appended tokens' layer-mean keys and values (at their slots) to the buffers."""
         cache, count = signals.cache, len(signals.appended)
         if cache is None or not count:
             return
-        stored = cache.stored
-        keys, values = layer_mean(cache, stored - count, stored)
-        if self.mean_keys is None or stored > self.mean_keys.shape[1]:
-            size = max(stored, 2 * (self.mean_keys.shape[1] if self.mean_keys is not None else 0))
+        slots = signals.new_slots()
+        keys, values = layer_mean(cache, slots.start, slots.stop)
+        if self.mean_keys is None or slots.stop > self.mean_keys.shape[1]:
+            size = max(slots.stop, 2 * (self.mean_keys.shape[1] if self.mean_keys is not None else 0))
             grown = [torch.zeros(keys.shape[0], size, keys.shape[2], device=keys.device) for _ in range(2)]
             if self.mean_keys is not None:
                 grown[0][:, : self.length] = self.mean_keys[:, : self.length]
                 grown[1][:, : self.length] = self.mean_values[:, : self.length]
             self.mean_keys, self.mean_values = grown
-        self.mean_keys[:, stored - count : stored] = keys
-        self.mean_values[:, stored - count : stored] = values
-        self.length = stored
+        self.mean_keys[:, slots] = keys
+        self.mean_values[:, slots] = values
+        self.length = max(self.length, slots.stop)
 
     def token_scores(self, cache: BudgetCache) -> torch.Tensor:
         """``[stored]`` Lag-KV scores of the live slots, in slot order."""
@@ -122,12 +121,10 @@ class LagKV(Policy):
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()
         candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
-        slots = lowest(self.token_scores(cache), positions, candidates, count)
-        holes, movers = fill_plan(cache.stored, set(slots))  # the cache moves its entries the same way
-        if holes:
-            index_holes = torch.tensor(holes, device=self.mean_keys.device)
-            index_movers = torch.tensor(movers, device=self.mean_keys.device)
-            self.mean_keys[:, index_holes] = self.mean_keys[:, index_movers]
-            self.mean_values[:, index_holes] = self.mean_values[:, index_movers]
-        self.length = cache.stored - len(slots)
-        return slots
+        return lowest(self.token_scores(cache), positions, candidates, count)
+
+    def follow_moves(self, holes: list[int], movers: list[int]) -> None:
+        index_holes = torch.tensor(holes, device=self.mean_keys.device)
+        index_movers = torch.tensor(movers, device=self.mean_keys.device)
+        self.mean_keys[:, index_holes] = self.mean_keys[:, index_movers]
+        self.mean_values[:, index_holes] = self.mean_values[:, index_movers]
