@@ -104,23 +104,30 @@ class AttentionRecord:
         last_row: layer -> ``[batch, kv_len]`` float32, the last query's attention, mean over query heads.
         queries: layer -> :class:`QueryRing` of the last N query vectors (kept across forwards). A
             one-row view (:meth:`row`) holds ``[heads, w, head_dim]`` tensors instead, oldest first.
+        scaling: layer -> the softmax scale its kernel applies to ``q . k`` (Gemma's
+            ``query_pre_attn_scalar``, for instance, is not always ``head_dim``), for whoever recomputes
+            attention from the stored queries.
     """
 
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     last_row: dict[int, torch.Tensor] = field(default_factory=dict)
     queries: dict = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def layer_mean(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
         """``[kv_len]`` float32 on the CPU: the mean over layers of slot-indexed vectors."""
         return torch.stack([vector.float().cpu() for vector in per_layer.values()]).mean(dim=0)
 
-    def row(self, index: int, stored: int) -> AttentionRecord:
-        """One sequence's record, cut to its ``stored`` slots: ``[kv_len]`` vectors and ``[heads, w, dim]`` queries."""
+    def row(self, index: int, stored: int, offset: int = 0) -> AttentionRecord:
+        """One sequence's record, cut to its ``stored`` slots from ``offset`` on (a left-padded prefill's
+        row starts after its padding): ``[kv_len]`` vectors and ``[heads, w, dim]`` queries."""
+        end = offset + stored
         return AttentionRecord(
-            {layer: v[index, :stored] for layer, v in self.received.items()},
-            {layer: v[index, :stored] for layer, v in self.last_row.items()},
+            {layer: v[index, offset:end] for layer, v in self.received.items()},
+            {layer: v[index, offset:end] for layer, v in self.last_row.items()},
             {layer: ring.ordered(index) for layer, ring in self.queries.items()},
+            self.scaling,
         )
 
     def select_rows(self, keep: torch.Tensor) -> None:
@@ -195,6 +202,9 @@ class AttentionTaps:
         self.base = model._epikv_tap_base
         #: batch rows whose policies read weights (None: all); the others get zeros, computed for nobody
         self.weight_rows: torch.Tensor | None = None
+        #: ``[batch, q]`` bool, False for the padding queries of a left-padded prefill (None: all real);
+        #: their attention is nobody's and is left out of what keys receive
+        self.query_valid: torch.Tensor | None = None
         self.set_active(True)
 
     def set_active(self, active: bool) -> None:
@@ -215,17 +225,20 @@ class AttentionTaps:
         """Called by the tapped kernel after it computed ``module``'s output."""
         layer = module.layer_idx
         needs = self.needs
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if needs.queries:
             self.record.queries.setdefault(layer, QueryRing(needs.queries)).write(query)
+            self.record.scaling[layer] = scaling
         if not needs.weights:
             return
         q_len = query.shape[2]
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         softcap = kwargs.get("softcap")
         batch = query.shape[0]
         subset = self.weight_rows
+        valid = self.query_valid.to(query.device) if self.query_valid is not None else None
         if subset is not None:
             subset = subset.to(query.device)
+            valid = valid[subset] if valid is not None else None
             query, key = query[subset], key[subset]
             attention_mask = attention_mask[subset] if attention_mask is not None else None
             weights = weights[subset] if weights is not None else None
@@ -247,7 +260,11 @@ class AttentionTaps:
         if needs.received:
             total = None
             for start in range(0, q_len, QUERY_CHUNK):
-                part = rows(slice(start, min(start + QUERY_CHUNK, q_len))).sum(dim=2).mean(dim=1)
+                span = slice(start, min(start + QUERY_CHUNK, q_len))
+                chunk = rows(span)
+                if valid is not None:  # a padding query's row (fully masked) adds nothing
+                    chunk = torch.where(valid[:, None, span, None], chunk, 0.0)
+                part = chunk.sum(dim=2).mean(dim=1)
                 total = part if total is None else total + part
             self.record.received[layer] = place(total)
 

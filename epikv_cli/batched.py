@@ -17,6 +17,7 @@ from .engine import CacheStream, input_device
 from .policies import make_policy
 from .policies.base import Signals
 from .rows import FULL, SLIDING, RowsCache, RowView
+from .errors import UsageError
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -98,43 +99,90 @@ class BatchDecoder:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` (one per row); return the ``[B, vocab]`` logits; every row observes and evicts."""
+        kwargs = self.begin_step()
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=tokens.view(-1, 1).to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1, **kwargs)
+        finally:
+            self._set_taps(False)
+        self.finish_step()
+        return out.logits[:, -1]
+
+    def begin_step(self) -> dict:
+        """Reserve every row's next slot and switch the taps on; return the forward's ``position_ids``,
+        ``attention_mask`` (per layer kind when some layers slide) and, for eager weights, ``output_attentions``."""
         positions, masks = self.cache.begin_step(self.dtype, self.device)
         if self.attention is not None and self.needs.weights:  # weights only for the rows whose policies read them
             readers = [i for i, row in enumerate(self.cache.rows) if row.policy.attention_needs and row.policy.attention_needs.weights]
             self.attention.weight_rows = None if len(readers) == self.batch else torch.tensor(readers, dtype=torch.long)
         mask = {"full_attention": masks[FULL], "sliding_attention": masks[SLIDING]} if self.sliding else masks[FULL]
-        kwargs = {"logits_to_keep": 1}
+        kwargs = {"position_ids": positions, "attention_mask": mask}
         if self.attention is not None and self.attention.returns_weights:
             kwargs["output_attentions"] = True
         self._set_taps(True)
-        try:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=tokens.view(-1, 1).to(self.device), cache=self.cache, position_ids=positions,
-                    attention_mask=mask, use_cache=True, **kwargs,
-                )
-        finally:
-            self._set_taps(False)
+        return kwargs
+
+    def finish_step(self) -> None:
+        """After the step's forward: record the new entries, then let every row observe and evict."""
+        self._set_taps(False)
         self.cache.end_step()
-        self._observe_and_evict()
-        return out.logits[:, -1]
+        self._observe_and_evict([range(row.full.seen - 1, row.full.seen) for row in self.cache.rows])
+
+    # -- a left-padded batch prefilled at once (model.generate with a batch) ----------------------
+    def begin_prefill(self, padding: torch.Tensor) -> None:
+        """The next forward prefills a left-padded batch; ``padding`` ``[B, n]`` is True at padding tokens."""
+        padding = padding.bool().cpu()
+        if bool((padding[:, 1:] & ~padding[:, :-1]).any()):
+            raise UsageError(
+                "EpiKV batches must be padded on the left (padding after a prompt would be cached as its tokens); "
+                "set tokenizer.padding_side = 'left'"
+            )
+        self._pads = padding.sum(dim=1).tolist()
+        self.cache.begin_prefill()
+        if self.attention is not None:
+            self.attention.weight_rows = None
+            self.attention.query_valid = ~padding
+        self._set_taps(True)
+
+    def finish_prefill(self, settings: list[CacheSettings]) -> None:
+        """After the prefill's forward: each row gets its own policy, checks its budget, observes its prompt and evicts."""
+        self._set_taps(False)
+        if self.attention is not None:
+            self.attention.query_valid = None
+        layers = len(decoder_blocks(self.model))
+        calibration = getattr(self.model, "epikv_calibration", None)
+        length = self.cache.prefill_length
+        policies = []
+        for setting, pad in zip(settings, self._pads):
+            policy = make_policy(setting)
+            policy.setup(layers, calibration)
+            policy.check_budget(length - pad, setting.budget if policy.evicts else None)
+            policies.append(policy)
+        queries = [p.attention_needs.queries if p.attention_needs else 0 for p in policies]
+        self.cache.finish_prefill(self._pads, settings, policies, queries)
+        if self.attention is not None:
+            for ring in self.attention.record.queries.values():  # a short prompt's ring holds padding queries too
+                ring.valid = [min(v, length - pad) for v, pad in zip(ring.valid, self._pads)]
+        self._observe_and_evict([range(0, length - pad) for pad in self._pads], offsets=self._pads)
 
     def _set_taps(self, active: bool) -> None:
         self.taps.active = active
         if self.attention is not None:
             self.attention.set_active(active)
 
-    def _observe_and_evict(self) -> None:
+    def _observe_and_evict(self, appended: list[range], offsets: list[int] | None = None) -> None:
+        """Every row's policy sees what its tokens ``appended[row]`` showed, then the row is brought back
+        within its budget. ``offsets``: each row's padding at a batched prefill (its taps' slots start there)."""
         record = self.attention.record if self.attention is not None else None
         plans: dict[str, list[tuple[int, list[int]]]] = {FULL: [], SLIDING: []}
         for index, row in enumerate(self.cache.rows):
             view = RowView(self.cache, index)
-            seen = row.full.seen
-            hidden = {layer: states[index : index + 1] for layer, states in self.taps.outputs.items()}
-            attention = record.row(index, row.full.stored) if record is not None else None
+            offset = offsets[index] if offsets else 0
+            hidden = {layer: states[index : index + 1, offset:] for layer, states in self.taps.outputs.items()}
+            attention = record.row(index, row.full.stored, offset) if record is not None else None
             if attention is not None and row.queries_needed:
                 attention.queries = {layer: q[:, -row.queries_needed :] for layer, q in attention.queries.items()}
-            row.policy.observe(Signals(range(seen - 1, seen), False, hidden, attention, view))
+            row.policy.observe(Signals(appended[index], offsets is not None, hidden, attention, view))
             row.peak_stored = max(row.peak_stored, row.full.stored)
             over = max(0, row.full.stored - row.budget) if row.budget is not None else 0
             slots = row.policy.select(view, over) if over else []

@@ -6,14 +6,18 @@ the cache is brought back within the budget. The same hooks serve ``epikv genera
 
     with epikv_cli.attach(model, budget=4096) as cache:
         model.generate(**inputs, past_key_values=cache, max_new_tokens=2048)
+
+With ``batch_size=B`` a left-padded batch of B prompts runs through ``model.generate`` the same way,
+each row with its own keep-set, scores and positions (:class:`BatchSession`).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
+import torch
 from torch import nn
 
 from .attention import AttentionTaps
@@ -23,6 +27,9 @@ from .policies import Policy, make_policy
 from .policies.base import Signals
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
+
+if TYPE_CHECKING:
+    from .rows import RowsCache
 
 
 @dataclass
@@ -139,6 +146,80 @@ class EpiKVSession:
         self.close()
 
 
+class BatchSession:
+    """``model.generate`` over a left-padded batch, each row under its own policy and budget.
+
+    The first forward (the batched prefill) is written as it comes; afterwards every row's prompt is
+    moved to the front of its slots, its policy observes it and evicts. Each decode forward gets the
+    rows' own ``position_ids`` and an attention mask over their own slots (the 2D mask ``generate``
+    passes counts padding and evicted tokens, so it is replaced). The cache is a
+    :class:`~epikv_cli.rows.RowsCache`: ``cache.row(b)`` says what row ``b`` holds.
+    """
+
+    def __init__(self, model: nn.Module, settings: CacheSettings, batch_size: int) -> None:
+        from .batched import BatchDecoder
+
+        if batch_size < 1:
+            raise UsageError(f"batch_size must be at least 1, got {batch_size}")
+        self.model = model
+        self.settings = settings
+        self.batch_size = batch_size
+        self.decoder = BatchDecoder(model, [settings])
+        self.cache = self.decoder.cache
+        self._prefilling = False
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def _uses_cache(self, kwargs: dict) -> bool:
+        return kwargs.get("cache") is self.cache or kwargs.get("past_key_values") is self.cache
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self._uses_cache(kwargs):
+            return None
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        batch, count = ids.shape[0], ids.shape[1]
+        if batch != self.batch_size and not self.cache.rows:
+            raise UsageError(f"this cache was attached for batch_size={self.batch_size}, but the batch holds {batch} prompts")
+        if not self.cache.rows:
+            mask = kwargs.get("attention_mask")
+            padding = mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.zeros(batch, count, dtype=torch.bool)
+            self.decoder.begin_prefill(padding)
+            self._prefilling = True
+            return None
+        if count != 1:
+            raise UsageError(
+                "EpiKV needs the whole prompt in the first forward and one token per step after it; "
+                "drop prefill_chunk_size, and start a new cache for each batch"
+            )
+        kwargs.update(self.decoder.begin_step())
+        return args, kwargs
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not self._uses_cache(kwargs):
+            return
+        if self._prefilling:
+            self._prefilling = False
+            self.decoder.finish_prefill([self.settings] * self.batch_size)
+        else:
+            self.decoder.finish_step()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.decoder.close()
+
+    def __enter__(self) -> BatchSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @contextmanager
 def attach(
     model: nn.Module,
@@ -148,12 +229,16 @@ def attach(
     bands: tuple[tuple[int, float], ...] | None = None,
     positions: str = "logical",
     seed: int = 0,
-) -> Iterator[BudgetCache]:
+    batch_size: int = 1,
+) -> Iterator[BudgetCache | RowsCache]:
     """Run ``model`` under an EpiKV-managed cache of at most ``budget`` entries per evicting layer.
 
     Yields the cache to pass as ``past_key_values=`` (or ``cache=``) to ``model.generate`` or to the
-    forward. Batch size 1; no beam search. The cache exposes ``stored``, ``seen``, ``evicted_total``,
-    ``peak_stored``, ``live_positions()`` and ``policy`` (``policy.score_of(position)`` for EpiKV).
+    forward; no beam search. With ``batch_size=1`` it is a :class:`BudgetCache`, which exposes
+    ``stored``, ``seen``, ``evicted_total``, ``peak_stored``, ``live_positions()`` and ``policy``
+    (``policy.score_of(position)`` for EpiKV). With ``batch_size=B`` the inputs are B left-padded
+    prompts (``tokenizer.padding_side = "left"``) and the cache a :class:`RowsCache`, each row with its
+    own keep-set; ``cache.row(b)`` exposes the same attributes for row ``b``.
 
     Args:
         budget: K, prompt included; ``None`` only with ``policy="full"``.
@@ -162,9 +247,14 @@ def attach(
         bands: EpiKV ``(layer, sign)`` pairs; default the paper's depth fractions.
         positions: ``"logical"`` (default) or ``"compressed"`` (paper-time harness).
         seed: for ``policy="random"``.
+        batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
     """
     settings = CacheSettings(
         budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed
     )
-    with EpiKVSession(model, settings) as session:
+    if batch_size == 1:
+        with EpiKVSession(model, settings) as session:
+            yield session.cache
+        return
+    with BatchSession(model, settings, batch_size) as session:
         yield session.cache

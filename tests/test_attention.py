@@ -85,3 +85,33 @@ def test_query_ring_keeps_the_last_queries_in_order():
     assert ring.ordered(0).flatten().tolist() == [3.0, 4.0, 5.0] and ring.ordered(1).flatten().tolist() == [9.0, 10.0, 11.0]
     ring.keep_rows(torch.tensor([1]))
     assert ring.ordered(0).flatten().tolist() == [9.0, 10.0, 11.0]
+
+
+def test_stored_queries_come_with_the_kernels_scale():
+    """Gemma's softmax scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: attention
+    recomputed from the stored queries (epikv2, rkv) must use the scale the kernel used."""
+    from transformers import DynamicCache
+
+    from epikv_cli.policies.epikv2 import received_attention
+
+    model = tiny_model("gemma3", seed=5, query_pre_attn_scalar=2)  # head_dim 8: scale 0.71, not 0.35
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    global_layer = 5
+    taps = AttentionTaps(model, [global_layer], AttentionNeeds(queries=4))
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        record = taps.record
+    finally:
+        taps.remove()
+    assert record.scaling[global_layer] == pytest.approx(2**-0.5)
+    keys = cache.layers[global_layer].keys[0]  # [kv_heads, 12, dim], after RoPE and norm
+    got = received_attention(record.queries[global_layer].ordered(0), keys, torch.arange(8, 12), torch.arange(12),
+                             scaling=record.scaling[global_layer])
+    eager = tiny_model("gemma3", seed=5, query_pre_attn_scalar=2, _attn_implementation="eager")
+    with torch.no_grad():
+        weights = eager(ids, output_attentions=True).attentions[global_layer][0]  # [heads, 12, 12]
+    assert torch.allclose(got, weights[:, 8:].sum(dim=1).mean(dim=0), atol=1e-5)
+    unscaled = received_attention(record.queries[global_layer].ordered(0), keys, torch.arange(8, 12), torch.arange(12))
+    assert not torch.allclose(unscaled, got, atol=1e-3)  # the head_dim default would be wrong here

@@ -32,16 +32,19 @@ MIX_LAMBDA = 0.1
 SIMILAR = 0.5
 
 
-def importance(queries: torch.Tensor, keys: torch.Tensor, window: int = WINDOW, kernel: int = KERNEL) -> torch.Tensor:
+def importance(
+    queries: torch.Tensor, keys: torch.Tensor, window: int = WINDOW, kernel: int = KERNEL, scaling: float | None = None
+) -> torch.Tensor:
     """``[kv_heads, n - window]``: max-pooled attention of the window's queries to the past tokens.
 
     Args:
         queries: ``[heads, w, dim]``, the last w <= window queries; keys: ``[kv_heads, n, dim]`` in logical order.
+        scaling: the layer's softmax scale (default ``dim ** -0.5``).
     """
     heads, w, dim = queries.shape
     kv_heads = keys.shape[0]
     logits = torch.matmul(queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2))
-    logits = logits.amax(dim=1) / dim**0.5  # [kv_heads, w, n], grouped heads pooled by max
+    logits = logits.amax(dim=1) * (scaling if scaling is not None else dim**-0.5)  # [kv_heads, w, n], grouped heads pooled by max
     attention = torch.softmax(logits[:, :, : keys.shape[1] - window], dim=-1).mean(dim=1)
     return F.max_pool1d(attention.unsqueeze(0), kernel_size=kernel, padding=kernel // 2, stride=1)[0]
 
@@ -78,6 +81,7 @@ class RKV(Policy):
         self.buffer = buffer
         self.mix = mix
         self.queries = None  # the attention record's query store, set by observe
+        self.scaling: dict[int, float] = {}  # layer -> its kernel's softmax scale
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> RKV:
@@ -85,6 +89,7 @@ class RKV(Policy):
 
     def observe(self, signals) -> None:
         self.queries = signals.attention.queries
+        self.scaling = signals.attention.scaling
 
     def min_budget(self, prompt_len: int) -> int:
         return self.window + 1
@@ -98,7 +103,8 @@ class RKV(Policy):
         total = None
         for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):
             keys = layer.live()[0][0][:, order.to(layer.keys.device)]  # [kv_heads, n, dim], logical order
-            past = self.mix * importance(self.queries[index].to(keys.device), keys, self.window)
+            queries = self.queries[index].to(keys.device)
+            past = self.mix * importance(queries, keys, self.window, scaling=self.scaling.get(index))
             joint = (past - (1 - self.mix) * redundancy(keys)[:, : -self.window]).mean(dim=0).cpu()
             total = joint if total is None else total + joint
         return order, total / len(cache.budget_layers)
