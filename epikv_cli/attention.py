@@ -116,8 +116,9 @@ class AttentionRecord:
 
     @staticmethod
     def layer_mean(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
-        """``[kv_len]`` float32 on the CPU: the mean over layers of slot-indexed vectors."""
-        return torch.stack([vector.float().cpu() for vector in per_layer.values()]).mean(dim=0)
+        """``[kv_len]`` float32 on the first layer's device: the mean over layers of slot-indexed vectors."""
+        vectors = list(per_layer.values())
+        return torch.stack([vector.float().to(vectors[0].device) for vector in vectors]).mean(dim=0)
 
     def row(self, index: int, stored: int, offset: int = 0) -> AttentionRecord:
         """One sequence's record, cut to its ``stored`` slots from ``offset`` on (a left-padded prefill's

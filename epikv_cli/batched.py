@@ -18,6 +18,7 @@ from .policies import make_policy
 from .policies.base import Signals
 from .rows import FULL, SLIDING, RowsCache, RowView
 from .errors import UsageError
+from .hostread import host_copies
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -60,6 +61,7 @@ class BatchDecoder:
         if self.attention is not None:
             self.attention.set_active(False)
         self.sliding = SLIDING in self.cache.groups
+        self._pending: list[tuple[Signals, list[torch.Tensor]]] = []  # per row: what its policy left to settle
 
     @property
     def batch(self) -> int:
@@ -99,6 +101,13 @@ class BatchDecoder:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` (one per row); return the ``[B, vocab]`` logits; every row observes and evicts."""
+        logits = self.forward(tokens)
+        self.settle(host_copies(self.pending_reads))
+        return logits
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` but for the host half: the rows' policies leave :attr:`pending_reads`, which the
+        caller reads together with the next tokens and hands to :meth:`settle` before the next forward."""
         kwargs = self.begin_step()
         try:
             with torch.inference_mode():
@@ -123,10 +132,11 @@ class BatchDecoder:
         return kwargs
 
     def finish_step(self) -> None:
-        """After the step's forward: record the new entries, then let every row observe and evict."""
+        """After the step's forward: record the new entries, then let every row's policy observe them
+        (its device half; :meth:`settle` finishes)."""
         self._set_taps(False)
         self.cache.end_step()
-        self._observe_and_evict([range(row.full.seen - 1, row.full.seen) for row in self.cache.rows])
+        self._stage([range(row.full.seen - 1, row.full.seen) for row in self.cache.rows])
 
     # -- a left-padded batch prefilled at once (model.generate with a batch) ----------------------
     def begin_prefill(self, padding: torch.Tensor) -> None:
@@ -163,29 +173,51 @@ class BatchDecoder:
         if self.attention is not None:
             for ring in self.attention.record.queries.values():  # a short prompt's ring holds padding queries too
                 ring.valid = [min(v, length - pad) for v, pad in zip(ring.valid, self._pads)]
-        self._observe_and_evict([range(0, length - pad) for pad in self._pads], offsets=self._pads)
+        self._stage([range(0, length - pad) for pad in self._pads], offsets=self._pads)
+        self.settle(host_copies(self.pending_reads))
 
     def _set_taps(self, active: bool) -> None:
         self.taps.active = active
         if self.attention is not None:
             self.attention.set_active(active)
 
-    def _observe_and_evict(self, appended: list[range], offsets: list[int] | None = None) -> None:
-        """Every row's policy sees what its tokens ``appended[row]`` showed, then the row is brought back
-        within its budget. ``offsets``: each row's padding at a batched prefill (its taps' slots start there)."""
+    def _stage(self, appended: list[range], offsets: list[int] | None = None) -> None:
+        """Every row's policy sees what its tokens ``appended[row]`` showed (a staged policy only its device
+        half). ``offsets``: each row's padding at a batched prefill (its taps' slots start there)."""
         record = self.attention.record if self.attention is not None else None
-        plans: dict[str, list[tuple[int, list[int]]]] = {FULL: [], SLIDING: []}
+        self._pending = []
         for index, row in enumerate(self.cache.rows):
-            view = RowView(self.cache, index)
             offset = offsets[index] if offsets else 0
             hidden = {layer: states[index : index + 1, offset:] for layer, states in self.taps.outputs.items()}
             attention = record.row(index, row.full.stored, offset) if record is not None else None
             if attention is not None and row.queries_needed:
                 attention.queries = {layer: q[:, -row.queries_needed :] for layer, q in attention.queries.items()}
-            row.policy.observe(Signals(appended[index], offsets is not None, hidden, attention, view))
+            signals = Signals(appended[index], offsets is not None, hidden, attention, RowView(self.cache, index))
+            if row.policy.staged:
+                self._pending.append((signals, row.policy.stage(signals)))
+            else:
+                row.policy.observe(signals)
+                self._pending.append((signals, []))
+        self.taps.clear()
+        if record is not None:
+            record.clear_forward()
+
+    @property
+    def pending_reads(self) -> list[torch.Tensor]:
+        """Every row's pending host reads (device tensors), in row order."""
+        return [tensor for _, tensors in self._pending for tensor in tensors]
+
+    def settle(self, values: list[torch.Tensor]) -> None:
+        """Finish the latest forward: each row's policy gets its host values (``values``: CPU copies of
+        :attr:`pending_reads`), then every row is brought back within its budget."""
+        plans: dict[str, list[tuple[int, list[int]]]] = {FULL: [], SLIDING: []}
+        values = iter(values)
+        for index, (row, (signals, reads)) in enumerate(zip(self.cache.rows, self._pending)):
+            if row.policy.staged:
+                row.policy.settle(signals, [next(values) for _ in reads])
             row.peak_stored = max(row.peak_stored, row.full.stored)
             over = max(0, row.full.stored - row.budget) if row.budget is not None else 0
-            slots = row.policy.select(view, over) if over else []
+            slots = row.policy.select(signals.cache, over) if over else []
             row.last_evicted = row.full.positions[slots].tolist() if slots else []
             row.evicted_total += len(slots)
             if slots:
@@ -193,9 +225,7 @@ class BatchDecoder:
             if self.sliding and row.tables[SLIDING].stored > self.cache.window - 1:
                 oldest = int(torch.argmin(row.tables[SLIDING].live_positions()))
                 plans[SLIDING].append((index, [oldest]))
-        self.taps.clear()
-        if record is not None:
-            record.clear_forward()
+        self._pending = []
         self.cache.evict(plans)
 
     def keep(self, rows: list[int]) -> None:

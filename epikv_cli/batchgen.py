@@ -17,6 +17,7 @@ from .batched import BatchDecoder
 from .cache import HEADROOM
 from .engine import GenerationResult, Sampler, Stopper, TokenBuffer, input_device
 from .errors import UsageError
+from .hostread import host_copies
 from .memory import peak_memory, reset_peak
 from .settings import CacheSettings, SamplingSettings
 
@@ -104,7 +105,9 @@ class BatchedGeneration:
             while running:
                 scores = torch.stack(logits)
                 tokens = torch.cat([state.sampler.choose(state.sequence.ids, scores[row]) for row, state in enumerate(running)])
-                chosen = tokens.tolist()  # the step's one host synchronisation
+                values = host_copies([tokens] + decoder.pending_reads)  # the step's one host synchronisation
+                decoder.settle(values[1:])  # the rows' policies score, the rows evict
+                chosen = values[0].long().tolist()
                 finished = []
                 for row, (state, token_id) in enumerate(zip(running, chosen)):
                     state.sequence.append(tokens[row : row + 1])
@@ -120,5 +123,5 @@ class BatchedGeneration:
                     decoder.keep(keep)
                     running = [running[row] for row in keep]
                     tokens = tokens[keep]
-                logits = list(decoder.step(tokens)) if running else []
+                logits = list(decoder.forward(tokens)) if running else []
                 yield from self._join(decoder, running, logits)

@@ -397,23 +397,28 @@ class BudgetCache(Cache):
             return []
         positions = self.table.positions[slots].tolist()
         holes, movers = self.table.plan_eviction(slots)
+        if holes:
+            with torch.inference_mode():  # the buffers were written under the forward's inference mode
+                self._move(holes, movers)
+        for layer in self.budget_layers:
+            layer.length = self.table.used
+        self.evicted_total += len(positions)
+        return positions
+
+    def _move(self, holes: list[int], movers: list[int]) -> None:
+        """Copy slot ``movers[i]`` into ``holes[i]`` in every evicting layer, and in the policy's slot-indexed state."""
         device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.budget_layers:
             if not layer.is_initialized:
                 continue
-            if holes and layer.device not in device_index:
+            if layer.device not in device_index:
                 device_index[layer.device] = (
                     torch.tensor(holes, dtype=torch.long, device=layer.device),
                     torch.tensor(movers, dtype=torch.long, device=layer.device),
                 )
-            if holes:
-                layer.move(*device_index[layer.device], self.table.used)
-            layer.length = self.table.used
-        policy = getattr(self, "policy", None)
-        if holes and policy is not None:
-            policy.follow_moves(holes, movers)
-        self.evicted_total += len(positions)
-        return positions
+            layer.move(*device_index[layer.device], self.table.used)
+        if self.policy is not None:
+            self.policy.follow_moves(holes, movers)
 
     def commit(self) -> range:
         """Close a forward: return the logical positions it appended."""

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from .cache import HEADROOM
+from .hostread import host_copies
 from .memory import peak_memory, reset_peak
 from .policies import POLICIES
 from .session import EpiKVSession
@@ -291,6 +292,7 @@ class Generation:
         reset_peak(device)
 
         with EpiKVSession(model, self.cache_settings, max_tokens=total) as session:
+            session.defer_reads = True  # the policy's host values come with the sampled token: one sync per step
             session.policy.check_budget(prompt_len, session.cache.budget)
             if getattr(session.policy, "bands_source", None):
                 pairs = ", ".join(f"{band.layer}:{band.sign:+.0f}" for band in session.policy.bands)
@@ -301,7 +303,9 @@ class Generation:
                 reset_peak(device)  # the decode peak is measured on its own
                 for index in range(sampling.max_new_tokens):
                     token = sampler.choose(sequence.ids, logits)
-                    token_id = int(token.item())
+                    values = host_copies([token] + session.pending_reads)  # the step's one read from the device
+                    session.settle(values[1:])  # the policy scores, the cache evicts
+                    token_id = int(values[0][0])
                     if index == 0:
                         prefill_seconds = time.perf_counter() - start
                     sequence.append(token.to(device))

@@ -181,14 +181,7 @@ class RowsCache(Cache):
                     layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
         for row, (setting, policy) in enumerate(zip(settings, policies)):
             prompt = length - pads[row]
-            tables = {}
-            for group, counts in keep.items():
-                count = counts[row]
-                table = SlotTable(max(count, 1))
-                table.positions[:count] = torch.arange(prompt - count, prompt)
-                table.stored, table.seen, table.committed, table.prompt_len = count, prompt, prompt, prompt
-                table.slot_of = {prompt - count + i: i for i in range(count)}
-                tables[group] = table
+            tables = {group: tail_table(prompt, counts[row], prompt) for group, counts in keep.items()}
             budget = setting.budget if policy.evicts else None
             self.rows.append(Row(setting, policy, budget, tables, queries_needed[row]))
 
@@ -221,13 +214,13 @@ class RowsCache(Cache):
                     extra = grown - layer.keys.shape[2]
                     layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
                     layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
-            self.step_slots[group] = slots.to(device)
+            self.step_slots[group] = to_device(slots, device)
             self.step_lengths[group] = length
             visible = torch.arange(length)[None, :] < used_after[:, None]
             mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
-            masks[group] = mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min).to(device)
+            masks[group] = to_device(mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min), device)
         positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
-        return torch.tensor(positions, device=device).unsqueeze(1), masks
+        return to_device(torch.tensor(positions).unsqueeze(1), device), masks
 
     def end_step(self) -> None:
         """Record the entries the step appended (one per row and group, where :meth:`begin_step` put them)."""
@@ -239,24 +232,28 @@ class RowsCache(Cache):
     def evict(self, plans: dict[str, list[tuple[int, list[int]]]]) -> None:
         """Drop, per group, ``(row, slots)`` pairs: a single slot is left free for the row's next token,
         several are filled by the row's newest entries (and its policy's slot-indexed state follows)."""
-        for group, pairs in plans.items():
-            rows, holes, movers = [], [], []
-            for row_index, slots in pairs:
-                hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
-                if hole and group == FULL:
-                    self.rows[row_index].policy.follow_moves(hole, mover)
-                rows += [row_index] * len(hole)
-                holes += hole
-                movers += mover
-            if not holes:
+        with torch.inference_mode():  # the buffers were written under the forward's inference mode
+            for group, pairs in plans.items():
+                rows, holes, movers = [], [], []
+                for row_index, slots in pairs:
+                    hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
+                    if hole and group == FULL:
+                        self.rows[row_index].policy.follow_moves(hole, mover)
+                    rows += [row_index] * len(hole)
+                    holes += hole
+                    movers += mover
+                if holes:
+                    self._move(group, rows, holes, movers)
+
+    def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
+        """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""
+        for layer in self.layers:
+            if layer.group != group:
                 continue
-            for layer in self.layers:
-                if layer.group != group:
-                    continue
-                r = torch.tensor(rows, device=layer.keys.device)
-                h, m = torch.tensor(holes, device=layer.keys.device), torch.tensor(movers, device=layer.keys.device)
-                layer.keys[r, :, h] = layer.keys[r, :, m]
-                layer.values[r, :, h] = layer.values[r, :, m]
+            r = torch.tensor(rows, device=layer.keys.device)
+            h, m = torch.tensor(holes, device=layer.keys.device), torch.tensor(movers, device=layer.keys.device)
+            layer.keys[r, :, h] = layer.keys[r, :, m]
+            layer.values[r, :, h] = layer.values[r, :, m]
 
     def kv_bytes(self, row: int) -> int:
         """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
@@ -265,6 +262,15 @@ class RowsCache(Cache):
             per_entry = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
             total += per_entry * self.rows[row].tables[group].stored
         return total
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (built on the host) on ``device``; to a GPU from pinned memory, asynchronously, so that
+    the step's small host-to-device copies never wait for the work queued before them."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
@@ -278,10 +284,14 @@ def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
         table.seen, table.committed, table.prompt_len = origin.seen, origin.committed, origin.prompt_len
         table.slot_of = dict(origin.slot_of)
         return table
-    seen = source.seen
+    return tail_table(source.seen, count, source.prompt_len)
+
+
+def tail_table(seen: int, count: int, prompt_len: int) -> SlotTable:
+    """A slot table holding the last ``count`` of ``seen`` tokens in slots ``0 .. count - 1``, in order."""
     table = SlotTable(max(count, 1))
     table.positions[:count] = torch.arange(seen - count, seen)
-    table.stored, table.seen, table.committed, table.prompt_len = count, seen, seen, source.prompt_len
+    table.stored, table.seen, table.committed, table.prompt_len = count, seen, seen, prompt_len
     table.slot_of = {seen - count + i: i for i in range(count)}
     return table
 

@@ -23,6 +23,7 @@ from torch import nn
 from .attention import AttentionTaps
 from .cache import BudgetCache
 from .errors import UsageError
+from .hostread import host_copies
 from .policies import Policy, make_policy
 from .policies.base import Signals
 from .settings import CacheSettings
@@ -58,6 +59,11 @@ class EpiKVSession:
         self.cache.policy = self.policy
         self.cache.on_reset = self._reset
         self.last = ForwardRecord()
+        #: False (``model.generate``): each forward settles at once, reading its own host values. True
+        #: (the engine): the forward leaves :attr:`pending_reads`, and the engine reads them together
+        #: with the sampled token and calls :meth:`settle` before the next forward.
+        self.defer_reads = False
+        self.pending: tuple[Signals, list[torch.Tensor]] | None = None
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
         needs = self.policy.attention_needs
         self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
@@ -75,6 +81,7 @@ class EpiKVSession:
         """The cache was reset for a new sequence: start the policy and the records afresh."""
         self.policy = self.cache.policy = self._new_policy()
         self.last = ForwardRecord()
+        self.pending = None
         self.taps.clear()
         if self.attention is not None:
             self.attention.record = type(self.attention.record)()
@@ -120,14 +127,37 @@ class EpiKVSession:
             )
         record = self.attention.record if self.attention is not None else None
         row = record.row(0, self.cache.stored) if record is not None else None
-        self.policy.observe(Signals(appended, prompt, self.taps.outputs, row, self.cache))
+        signals = Signals(appended, prompt, dict(self.taps.outputs), row, self.cache)
+        if self.policy.staged:
+            self.pending = (signals, self.policy.stage(signals))
+        else:
+            self.policy.observe(signals)
+            self.pending = (signals, [])
         self.taps.clear()
         if record is not None:
             record.clear_forward()
+        if not self.defer_reads:
+            self.settle(host_copies(self.pending[1]))
+
+    @property
+    def pending_reads(self) -> list[torch.Tensor]:
+        """What the latest forward's policy needs on the host (device tensors), before :meth:`settle`."""
+        return self.pending[1] if self.pending is not None else []
+
+    def settle(self, values: list[torch.Tensor]) -> None:
+        """Finish the latest forward: the policy gets its host values, then the cache is brought back
+        within the budget. With :attr:`defer_reads` the engine calls it once it has read ``values``
+        (host copies of :attr:`pending_reads`) together with the sampled token."""
+        if self.pending is None:
+            return
+        signals, _ = self.pending
+        self.pending = None
+        if self.policy.staged:
+            self.policy.settle(signals, values)
         self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)  # the in-step peak: K + 1
         over = self.cache.over_budget()
         evicted = self.cache.evict(self.policy.select(self.cache, over)) if over else []
-        self.last = ForwardRecord(appended, evicted)
+        self.last = ForwardRecord(signals.appended, evicted)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -206,6 +236,7 @@ class BatchSession:
             self.decoder.finish_prefill([self.settings] * self.batch_size)
         else:
             self.decoder.finish_step()
+            self.decoder.settle(host_copies(self.decoder.pending_reads))
 
     def close(self) -> None:
         for handle in self._handles:

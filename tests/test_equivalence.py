@@ -66,6 +66,7 @@ def test_gemma3_sliding_layers_are_left_alone():
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["DynamicSlidingWindowLayer"] * 5 + ["BudgetLayer"]
     assert cache.evicted_total > 0
-    assert cache.layers[5].length == PROMPT_LEN + 20
+    assert cache.stored == PROMPT_LEN + 20
+    assert cache.layers[5].length == PROMPT_LEN + 21  # K live entries and the slot the next token takes
     # the sliding layers still count every token seen
     assert all(layer.get_seq_length() == cache.seen for layer in cache.layers)

@@ -179,3 +179,42 @@ def test_epikv2_ablation_signals():
     for position, score in {2: 1.0, 3: -2.0, 4: 0.5, 5: 3.0, 6: -1.0}.items():
         paper.epiphany.book.set(position, score)
     assert paper.select(cache, 2) == [3, 6]  # the lowest epiphany scores among the candidates
+
+
+def test_epikv2_credit_rules_by_hand():
+    from epikv_cli.policies.epikv2 import EpiKV2
+
+    cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
+
+    def refreshed(credit):
+        policy = EpiKV2(budget=8, sinks=2, recent=2, period=1, credit=credit)
+        policy.credit(torch.tensor([2, 3, 4]), torch.tensor([0.3, 0.1, 0.5]))  # positions 2-4 seen twice,
+        policy.credit(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.3, 0.6, 0.0, 0.4, 0.2]))  # 5 and 6 once
+        return policy
+
+    # sum: 2 -> 0.6, 3 -> 0.7, 4 -> 0.5, 5 -> 0.4, 6 -> 0.2: the newcomers 6 and 5 leave first
+    assert refreshed("sum").select(cache, 2) == [6, 5]
+    # mean per refresh: 2 -> 0.3, 3 -> 0.35, 4 -> 0.25, 5 -> 0.4, 6 -> 0.2
+    assert refreshed("mean").select(cache, 2) == [6, 4]
+    # max of one refresh: 2 -> 0.3, 3 -> 0.6, 4 -> 0.5, 5 -> 0.4, 6 -> 0.2
+    assert refreshed("max").select(cache, 2) == [6, 2]
+
+
+def test_value_weighted_received_attention_by_hand():
+    from epikv_cli.policies.epikv2 import received_attention
+
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # [kv_heads 1, n 2, dim 2]
+    values = torch.tensor([[[3.0, 4.0], [0.0, 0.5]]])  # norms 5 and 0.5
+    queries = torch.tensor([[[2.0, 0.0]]])  # one query at position 1 sees both keys
+    weights = torch.softmax(torch.tensor([2.0, 0.0]) / math.sqrt(2), 0)
+    got = received_attention(queries, keys, torch.tensor([1]), torch.tensor([0, 1]), values=values)
+    assert torch.allclose(got, weights * torch.tensor([5.0, 0.5]))
+
+
+def test_pooling_over_positions_follows_logical_order_not_slots():
+    from epikv_cli.policies.epikv2 import pooled_over_positions
+
+    positions = torch.tensor([4, 0, 3, 1, 2])  # slot order is not position order
+    scores = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.9])  # the token at position 2 (slot 4) was attended
+    # kernel 3: positions 1, 2, 3 (slots 3, 4, 2) take 0.9; positions 0 and 4 (slots 1, 0) keep 0
+    assert pooled_over_positions(scores, positions, 3).tolist() == pytest.approx([0.0, 0.0, 0.9, 0.9, 0.9])

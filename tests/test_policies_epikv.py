@@ -166,3 +166,26 @@ def test_a_non_finite_change_does_not_poison_the_window():
     policy.observe(Signals(range(1, 2), False, {0: hidden([[math.inf, 0.0]])}))
     policy.observe(Signals(range(2, 3), False, {0: hidden([[1.0, 0.0]])}))
     assert policy.nonfinite >= 1 and math.isfinite(policy.score_of(1)) and math.isfinite(policy.score_of(2))
+
+
+def test_bands_option_picks_default_or_calibrated_whatever_else_is_there():
+    from epikv_cli.calibrate import Calibration
+    from epikv_cli.policies import make_policy
+    from epikv_cli.settings import CacheSettings
+
+    saved = Calibration("m", [(3, 1.0), (7, -1.0)], [0.0] * 32, 10, 2, 64, path="bands.json")
+
+    def bands(option, requested=None, calibration=saved):
+        options = (("bands", option),) if option else ()
+        policy = make_policy(CacheSettings(budget=100, policy="epikv", bands=requested, options=options))
+        policy.setup(32, calibration)
+        return [(b.layer, b.sign) for b in policy.bands], policy.bands_source
+
+    assert bands(None) == ([(3, 1.0), (7, -1.0)], "calibrated (bands.json)")  # auto: the calibration
+    assert bands(None, requested=((5, 1.0),)) == ([(5, 1.0)], "--bands")  # --bands overrides it
+    assert bands("default")[0] == [(10, 1.0), (21, -1.0)]  # the paper's, although a calibration exists
+    assert bands("calibrated", requested=((5, 1.0),))[0] == [(3, 1.0), (7, -1.0)]
+    with pytest.raises(UsageError, match="no saved calibration"):
+        bands("calibrated", calibration=None)
+    with pytest.raises(UsageError, match="choose auto, default or calibrated"):
+        bands("best")

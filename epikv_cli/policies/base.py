@@ -52,6 +52,9 @@ class Policy(ABC):
         uses_recent: False when the policy has no recent window, so ``--recent`` means nothing to it.
         attention_needs: what the policy reads from attention (None: nothing, it runs on any kernel).
         slack: entries the cache may hold beyond K between evictions (R-KV compresses in batches).
+        staged: True when the policy observes in two halves, :meth:`stage` on the device and
+            :meth:`settle` with the few host values it needs, so that the engine can read those values
+            together with the sampled tokens (one synchronisation per step).
 
     Instance attributes:
         recent: R, the recent window in force.
@@ -65,6 +68,7 @@ class Policy(ABC):
     uses_recent: ClassVar[bool] = True
     attention_needs: ClassVar[AttentionNeeds | None] = None
     slack: ClassVar[int] = 0
+    staged: ClassVar[bool] = False
     #: tunable options (``--policies NAME:key=value``): name -> type of the value
     OPTIONS: ClassVar[dict[str, type]] = {}
     recent: int = 0
@@ -113,7 +117,20 @@ class Policy(ABC):
         return cls.default_recent(settings.budget) if settings.budget is not None else 0
 
     def observe(self, signals: Signals) -> None:
-        """See one forward (scores, accumulators); the cache is not yet brought back within budget."""
+        """See one forward (scores, accumulators); the cache is not yet brought back within budget.
+
+        A staged policy does it in its two halves at once (one host read of its own)."""
+        if self.staged:
+            from ..hostread import host_copies
+
+            self.settle(signals, host_copies(self.stage(signals)))
+
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        """Device half of :meth:`observe` (staged policies): return the tensors :meth:`settle` needs on the host."""
+        return []
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        """Host half of :meth:`observe`: ``values`` are CPU float64 copies of what :meth:`stage` returned."""
 
     @abstractmethod
     def select(self, cache: BudgetCache, count: int) -> list[int]:

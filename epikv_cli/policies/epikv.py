@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -77,6 +78,10 @@ class EpiKV(ScoredPolicy):
     """EpiKV-Flat. ``bands=None`` uses :func:`default_bands` for the model's depth."""
 
     name = "epikv"
+    staged = True
+    #: ``--policies epikv:bands=default`` (the paper's depth fractions) or ``bands=calibrated`` (the
+    #: model's saved calibration, required); ``auto`` (the default): ``--bands``, else calibrated, else default
+    OPTIONS: ClassVar[dict[str, type]] = {"bands": str}
 
     def __init__(
         self,
@@ -84,10 +89,14 @@ class EpiKV(ScoredPolicy):
         bands: tuple[tuple[int, float], ...] | None = None,
         window: int = ZSCORE_WINDOW,
         eps: float = ZSCORE_EPS,
+        band_source: str = "auto",
     ) -> None:
         super().__init__()
         if window < 2:
             raise UsageError(f"the z-score window must hold at least 2 values, got {window}")
+        if band_source not in ("auto", "default", "calibrated"):
+            raise UsageError(f"epikv option bands={band_source!r}: choose auto, default or calibrated")
+        self.band_source = band_source
         self.recent = recent
         self.requested_bands = bands
         self.window = window
@@ -98,13 +107,18 @@ class EpiKV(ScoredPolicy):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV:
-        return cls(recent=cls.recent_from(settings), bands=settings.bands)
+        options = cls.options_from(settings)
+        return cls(recent=cls.recent_from(settings), bands=settings.bands, band_source=options.get("bands", "auto"))
 
     def setup(self, num_layers: int, calibration=None) -> None:
-        """Bands: ``--bands`` if given, else the model's calibrated bands, else the depth-fraction default."""
-        if self.requested_bands:
+        """Bands: ``--bands`` if given, else the model's calibrated bands, else the depth-fraction default
+        (``bands=default`` or ``bands=calibrated`` picks one of the last two whatever else is there)."""
+        usable = calibration is not None and all(0 <= layer < num_layers for layer, _ in calibration.bands)
+        if self.band_source == "calibrated" and not usable:
+            raise UsageError("epikv:bands=calibrated, but this model has no saved calibration; run `epikv calibrate` first")
+        if self.band_source == "auto" and self.requested_bands:
             pairs, self.bands_source = self.requested_bands, "--bands"
-        elif calibration is not None and all(0 <= layer < num_layers for layer, _ in calibration.bands):
+        elif self.band_source == "calibrated" or (self.band_source == "auto" and usable):
             pairs, self.bands_source = tuple(calibration.bands), calibration.describe()
         else:
             pairs, self.bands_source = default_bands(num_layers), "default (depth fractions 10/31, 21/31)"
@@ -118,13 +132,14 @@ class EpiKV(ScoredPolicy):
     def tap_layers(self) -> list[int]:
         return sorted({band.layer for band in self.bands})
 
-    def observe(self, signals: Signals) -> None:
-        hidden, appended, prompt = signals.hidden, signals.appended, signals.prompt
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        """The appended tokens' hidden-state change per band, ``[bands, q]`` on the model's device (none at the prefill)."""
+        hidden = signals.hidden
         self.last = []
-        if prompt:
+        if signals.prompt:
             for band in self.bands:
                 band.previous = hidden[band.layer][0, -1].detach().float().clone()
-            return
+            return []
         changes = []
         for band in self.bands:
             states = hidden[band.layer][0].detach().float()  # [q, hidden]
@@ -133,9 +148,14 @@ class EpiKV(ScoredPolicy):
             chain = torch.cat([band.previous.to(states.device).unsqueeze(0), states])
             changes.append((chain[1:] - chain[:-1]).norm(dim=-1))  # [q]
             band.previous = states[-1].clone()
-        # [bands][q]: one device-to-host copy for all bands
-        per_band = torch.stack([change.to(changes[0].device) for change in changes]).tolist()
-        for j, position in enumerate(appended):
+        return [torch.stack([change.to(changes[0].device) for change in changes])]
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        """z-score each band's change against its rolling window and freeze the score."""
+        if signals.prompt:
+            return
+        per_band = values[0].tolist()
+        for j, position in enumerate(signals.appended):
             ds = tuple(per_band[b][j] for b in range(len(self.bands)))
             zs = tuple(band.zscore.push(d) for band, d in zip(self.bands, ds))
             score = sum(band.sign * z for band, z in zip(self.bands, zs))

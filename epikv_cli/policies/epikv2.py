@@ -14,8 +14,13 @@ layer; the per-step work is one query copy per layer and O(log K) heap operation
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
-(``score`` or ``keep``), and ``signal`` for ablations: ``attention`` (the default), ``epiphany``
-(the published EpiKV score under these keep rules) or ``none`` (recency alone).
+(``score`` or ``keep``), and, for ablations, ``signal``: ``attention`` (the default), ``epiphany``
+(the published EpiKV score under these keep rules) or ``none`` (recency alone); ``credit``: how
+refreshes add up, ``sum`` (the default), ``mean`` (per refresh the token was scored in, so that
+long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
+weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
+``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
+token stay with it, as in SnapKV and R-KV).
 """
 
 from __future__ import annotations
@@ -36,20 +41,43 @@ if TYPE_CHECKING:
     from ..cache import BudgetCache
 
 
-def received_attention(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+def received_attention(
+    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+    scaling: float | None = None, values: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[n]``: attention each key receives from the queries, summed over queries, mean over query heads.
 
     Args:
         queries: ``[heads, w, dim]`` (after RoPE); keys: ``[kv_heads, n, dim]`` in slot order.
         query_positions: ``[w]`` and key_positions: ``[n]`` logical positions (a query sees keys at or before it).
+        scaling: the layer's softmax scale (default ``dim ** -0.5``).
+        values: ``[kv_heads, n, dim]``: when given, each weight is multiplied by the L2 norm of the value it
+            reads, i.e. what the token actually adds to the attention output.
     """
     heads, w, dim = queries.shape
     kv_heads, n = keys.shape[0], keys.shape[1]
     logits = torch.matmul(queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2))
-    logits = logits.view(heads, w, n) / math.sqrt(dim)
+    logits = logits.view(heads, w, n) * (scaling if scaling is not None else dim**-0.5)
     visible = key_positions.to(keys.device)[None, :] <= query_positions.to(keys.device)[:, None]  # [w, n]
     weights = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+    if values is not None:
+        norms = values.float().norm(dim=-1)  # [kv_heads, n]
+        weights = (weights.view(kv_heads, heads // kv_heads, w, n) * norms[:, None, None, :]).view(heads, w, n)
     return weights.sum(dim=1).mean(dim=0)
+
+
+def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``[n]``: each slot's score replaced by the largest within ``kernel // 2`` positions of it, in logical
+    order (SnapKV's and R-KV's pooling: the neighbours of an attended token stay with it).
+
+    Args:
+        scores: ``[n]`` slot-ordered; positions: ``[n]`` their logical positions.
+    """
+    order = torch.argsort(positions).to(scores.device)
+    pooled = torch.nn.functional.max_pool1d(scores[order][None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+    out = torch.empty_like(scores)
+    out[order] = pooled
+    return out
 
 
 class EpiKV2(Policy):
@@ -58,17 +86,21 @@ class EpiKV2(Policy):
     name = "epikv2"
     protects_prompt = False
     uses_recent = False
-    OPTIONS: ClassVar[dict[str, type]] = {"sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str}
+    staged = True
+    OPTIONS: ClassVar[dict[str, type]] = {
+        "sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
+        "pool": int,
+    }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
-        signal: str = "attention",
+        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1,
     ) -> None:
         if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
-                or signal not in ("attention", "epiphany", "none")):
+                or signal not in ("attention", "epiphany", "none") or credit not in ("sum", "mean", "max") or values not in (0, 1) or pool < 1 or pool % 2 == 0):
             raise UsageError(
                 "epikv2 options: sinks >= 0, period >= 1, 0 < decay <= 1, recent >= 0 (a share of K below 1, else tokens), "
-                "prompt score|keep, signal attention|epiphany|none"
+                "prompt score|keep, signal attention|epiphany|none, credit sum|mean|max, values 0|1, pool an odd number >= 1"
             )
         self.sinks = sinks
         self.recent_share = recent
@@ -79,7 +111,12 @@ class EpiKV2(Policy):
         self.signal = signal
         self.attention_needs = AttentionNeeds(queries=period) if signal == "attention" else None
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
-        self.received = ScoreBook()
+        self.received = ScoreBook()  # attention received, summed over refreshes
+        self.credit_rule = credit
+        self.observed = ScoreBook()  # refreshes each token was scored in (credit=mean)
+        self.derived = ScoreBook()  # the score select reads with credit=mean (received / observed) or max (the largest refresh)
+        self.value_weighted = bool(values)
+        self.pool = pool
         self._decode_steps = 0
         self.candidates = CandidateHeap(unscored=0.0)
         self._stale = True  # scores changed since the heap was built
@@ -95,16 +132,15 @@ class EpiKV2(Policy):
     def from_settings(cls, settings: CacheSettings) -> EpiKV2:
         return cls(settings.budget or 0, **cls.options_from(settings))
 
-    def observe(self, signals: Signals) -> None:
-        """At the prefill and every ``period`` steps: add the stored queries' attention to each token's score."""
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        """At the prefill and every ``period`` steps: the stored queries' attention to each live slot,
+        ``[stored]`` on the device, mean over evicting layers (nothing on the other steps)."""
         if self.signal != "attention":
-            if self.epiphany is not None:
-                self.epiphany.observe(signals)
-            return
+            return self.epiphany.stage(signals) if self.epiphany is not None else []
         if not signals.prompt:
             self._decode_steps += 1
             if self._decode_steps % self.period:
-                return
+                return []
         cache, record = signals.cache, signals.attention
         positions = cache.live_positions()
         seen = cache.seen
@@ -112,16 +148,33 @@ class EpiKV2(Policy):
         for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):
             queries = record.queries[index]
             query_positions = torch.arange(seen - queries.shape[1], seen)
-            part = received_attention(queries, layer.live()[0][0], query_positions, positions).cpu()
-            total = part if total is None else total + part
-        self.credit(positions, total / len(cache.budget_layers))
+            keys, values = layer.live()
+            part = received_attention(
+                queries, keys[0], query_positions, positions, scaling=record.scaling.get(index),
+                values=values[0] if self.value_weighted else None,
+            )
+            total = part if total is None else total + part.to(total.device)
+        total = total / len(cache.budget_layers)
+        return [pooled_over_positions(total, positions, self.pool) if self.pool > 1 else total]
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        """Credit a refresh's attention to the live tokens."""
+        if self.epiphany is not None:
+            self.epiphany.settle(signals, values)
+        elif values:
+            self.credit(signals.cache.live_positions(), values[0])
 
     def credit(self, positions: torch.Tensor, received: torch.Tensor) -> None:
         """Decay the scores of ``positions`` ``[n]``, then add ``received`` ``[n]`` to them (a refresh)."""
         if self.decay < 1:
             current = self.received.gather(positions)
             self.received.add(positions, torch.nan_to_num(current, nan=0.0) * (self.decay - 1))
+        if self.credit_rule == "max":
+            self.derived.put(positions, torch.fmax(self.derived.gather(positions), received.double()))
         self.received.add(positions, received)
+        if self.credit_rule == "mean":
+            self.observed.add(positions, torch.ones(positions.shape))
+            self.derived.put(positions, self.received.gather(positions) / self.observed.gather(positions))
         self._stale = True
 
     def recent_for(self, budget: int) -> int:
@@ -151,7 +204,10 @@ class EpiKV2(Policy):
         Between refreshes scores are frozen and one token leaves the recent window per step, so the
         candidates wait in a heap; a refresh rebuilds it from the live tokens' new scores.
         """
-        book = self.epiphany.book if self.epiphany is not None else self.received
+        if self.epiphany is not None:
+            book = self.epiphany.book
+        else:
+            book = self.received if self.credit_rule == "sum" else self.derived
         floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
         end = cache.seen - self.recent
         if self._stale:

@@ -31,6 +31,7 @@ class H2O(Policy):
     protects_prompt = False
     has_scores = False
     attention_needs = AttentionNeeds(received=True)
+    staged = True
 
     def __init__(self, recent: int, sinks: int = SINKS) -> None:
         self.recent = recent
@@ -46,9 +47,11 @@ class H2O(Policy):
     def from_settings(cls, settings: CacheSettings) -> H2O:
         return cls(recent=cls.recent_from(settings))
 
-    def observe(self, signals: Signals) -> None:
-        received = AttentionRecord.layer_mean(signals.attention.received)  # [stored], slot order
-        self.accumulated.add(signals.cache.live_positions(), received)
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        return [AttentionRecord.layer_mean(signals.attention.received)]  # [stored], slot order
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        self.accumulated.add(signals.cache.live_positions(), values[0])
 
     def min_budget(self, prompt_len: int) -> int:
         """Smallest K that leaves one evictable entry after a step: K >= sinks + R(K) (and K > sinks).

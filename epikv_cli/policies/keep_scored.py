@@ -34,6 +34,13 @@ class ScoreBook:
         self._reserve(position + 1)
         self._scores[position] = score
 
+    def put(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the scores of ``positions`` ``[n]`` to ``values`` ``[n]``."""
+        if not positions.numel():
+            return
+        self._reserve(int(positions.max()) + 1)
+        self._scores[positions] = values.to(torch.float64)
+
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Accumulate ``values[i]`` onto the score of ``positions[i]`` (unscored counts as 0)."""
         if not positions.numel():

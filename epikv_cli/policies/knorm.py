@@ -20,6 +20,7 @@ class KeyNorm(ScoredPolicy):
 
     name = "knorm"
     has_scores = False  # the panel's sparkline is for epiphany scores
+    staged = True
 
     def __init__(self, recent: int) -> None:
         super().__init__()
@@ -29,12 +30,12 @@ class KeyNorm(ScoredPolicy):
     def from_settings(cls, settings: CacheSettings) -> KeyNorm:
         return cls(recent=cls.recent_from(settings))
 
-    def observe(self, signals: Signals) -> None:
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        """Minus the appended keys' L2 norms, mean over KV heads and evicting layers: ``[q]`` on the device."""
         cache, slots = signals.cache, signals.new_slots()
-        norms = [
-            layer.live()[0][0, :, slots].float().norm(dim=-1).mean(dim=0).cpu()  # [count]
-            for layer in cache.budget_layers
-        ]
-        scores = -torch.stack(norms).mean(dim=0)
-        for position, score in zip(signals.appended, scores.tolist()):
+        norms = [layer.live()[0][0, :, slots].float().norm(dim=-1).mean(dim=0) for layer in cache.budget_layers]
+        return [-torch.stack([n.to(norms[0].device) for n in norms]).mean(dim=0)]
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        for position, score in zip(signals.appended, values[0].tolist()):
             self.record_score(position, score)

@@ -26,6 +26,7 @@ class TOVA(Policy):
     protects_prompt = False
     uses_recent = False
     attention_needs = AttentionNeeds(last_row=True)
+    staged = True
 
     def __init__(self) -> None:
         self.current: torch.Tensor | None = None  # [stored] slot order, from the latest forward
@@ -34,8 +35,11 @@ class TOVA(Policy):
     def from_settings(cls, settings: CacheSettings) -> TOVA:
         return cls()
 
-    def observe(self, signals: Signals) -> None:
-        self.current = AttentionRecord.layer_mean(signals.attention.last_row)
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        return [AttentionRecord.layer_mean(signals.attention.last_row)]  # [stored], slot order
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        self.current = values[0]
 
     def min_budget(self, prompt_len: int) -> int:
         return 2
