@@ -35,6 +35,9 @@ def run_once(args, policy: str, batch: int, out: Path) -> tuple[float, int]:
     ]
     if args.model:
         command += ["--model", args.model]
+    for flag in ("shape", "layers", "dtype"):  # a random model of a known shape (for a GPU run)
+        if getattr(args, flag) is not None:
+            command += [f"--{flag}", str(getattr(args, flag))]
     start = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     seconds = time.perf_counter() - start
@@ -46,6 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--shape", default=None, help="a known shape with random weights, e.g. qwen2.5-32b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--dtype", default=None)
     parser.add_argument("--policies", default="epikv")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16")
     parser.add_argument("--budget", type=int, default=256)

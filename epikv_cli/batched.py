@@ -62,6 +62,7 @@ class BatchDecoder:
             self.attention.set_active(False)
         self.sliding = SLIDING in self.cache.groups
         self._pending: list[tuple[Signals, list[torch.Tensor]]] = []  # per row: what its policy left to settle
+        self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
 
     @property
     def batch(self) -> int:

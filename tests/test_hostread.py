@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epikv_cli.batched import BatchDecoder
 from epikv_cli.batchgen import BatchedGeneration, Request
 from epikv_cli.engine import Generation
 from epikv_cli.hostread import host_copies
@@ -76,30 +77,20 @@ def test_a_decoding_step_reads_the_device_once(counted_model, tokenizer, policy)
     assert per_step == [1] * (steps - 1), per_step
 
 
-def test_a_batched_step_reads_the_device_once_for_every_row(counted_model, tokenizer):
+def test_a_batched_step_reads_the_device_once_for_every_row(counted_model, tokenizer, monkeypatch):
     prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)).as_subclass(OnDevice) for n in (7, 12, 9)]
     settings = [CacheSettings(budget=24, policy=p) for p in ("epikv", "h2o", "epikv2")]
     sampling = SamplingSettings(max_new_tokens=50, ignore_eos=True)
     requests = [Request(i, ids, s, sampling) for i, (ids, s) in enumerate(zip(prompts, settings))]
-    steps = []
+    reads_before_step = []
+    forward = BatchDecoder.forward
 
-    class Spy:  # the decoder's forward marks each step
-        def __init__(self, forward):
-            self.forward = forward
+    def counted_forward(self, tokens):
+        reads_before_step.append(OnDevice.reads)
+        return forward(self, tokens)
 
-        def __call__(self, tokens):
-            steps.append(OnDevice.reads)
-            return self.forward(tokens)
-
-    generation = BatchedGeneration(counted_model, tokenizer, requests, batch_size=3, settings=settings)
-    from epikv_cli import batched
-
-    original = batched.BatchDecoder.forward
-    batched.BatchDecoder.forward = lambda self, tokens: Spy(lambda t: original(self, t))(tokens)
-    try:
-        results = dict(generation)
-    finally:
-        batched.BatchDecoder.forward = original
+    monkeypatch.setattr(BatchDecoder, "forward", counted_forward)
+    results = dict(BatchedGeneration(counted_model, tokenizer, requests, batch_size=3, settings=settings))
     assert all(r.evicted > 0 for r in results.values())
-    per_step = [b - a for a, b in zip(steps, steps[1:])]
-    assert per_step == [1] * len(per_step) and len(per_step) == 48, per_step
+    per_step = [b - a for a, b in zip(reads_before_step, reads_before_step[1:])]
+    assert per_step == [1] * 48, per_step  # 50 tokens: 49 forwards after the prefills
