@@ -164,7 +164,9 @@ def test_real_sigint_stops_cleanly(tiny_model_dir):
 
     command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir),
                "-b", "64", "-n", "1000000", "--ignore-eos", "hello"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # a shell's background job inherits SIGINT ignored, and Python keeps it so: restore the default
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = b""
     deadline = time.monotonic() + 120
     while not first.strip() and time.monotonic() < deadline:

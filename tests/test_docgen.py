@@ -90,8 +90,10 @@ def test_zsh_completion_parses():
 def test_install_completion_still_works(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
     epikv = str(Path(sys.executable).parent / "epikv")  # the installed console script, named as users type it
-    done = subprocess.run([epikv, "--install-completion"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    # Typer detects the shell from the process's ancestors, so run it from bash as a user would
+    # (the trailing command keeps bash from exec-ing epikv in its place)
+    done = subprocess.run(["bash", "-c", f"{epikv} --install-completion; exit $?"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / ".bash_completions/epikv.sh").exists()
     # and Typer's dynamic completion answers through the one-line-error wrapper
     env.update({"_EPIKV_COMPLETE": "complete_bash", "COMP_WORDS": "epikv generate --budg", "COMP_CWORD": "2"})

@@ -1,0 +1,92 @@
+"""Markdown tables from `epikv fidelity --output` files, means over the prompts every policy ran.
+
+`epikv fidelity` itself averages each policy × budget over the prompts that policy could run; a
+prompt whose prompt plus recent window does not fit the budget is skipped by prompt-protecting
+policies only, so those means would be over different prompts. This script keeps, per budget, the
+prompts on which every listed policy ran, so that each column compares like with like.
+
+    .venv/bin/python benchmarks/fidelity_table.py run-a.jsonl run-b.jsonl            # KL and top-1
+    .venv/bin/python benchmarks/fidelity_table.py run.jsonl --metrics kl_all,kept_age
+    .venv/bin/python benchmarks/fidelity_table.py run.jsonl --policies streaming,epikv2
+
+Several files are concatenated (a run split over processes by --offset); a prompt id found twice
+is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+LABELS = {"kl_after_full": "KL", "kl_all": "KL all", "top1_after_full": "top-1", "top1_all": "top-1 all",
+          "perplexity": "ppl", "kept_age": "age"}
+
+
+def load(paths: list[Path]) -> list[dict]:
+    """Every prompt record (lines with ``results``) of the files, in order."""
+    records, seen = [], set()
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if "results" not in record:
+                continue
+            key = json.dumps(record["id"])
+            if key in seen:
+                raise SystemExit(f"fidelity_table: prompt {record['id']} appears twice; give each prompt once")
+            seen.add(key)
+            records.append(record)
+    return records
+
+
+def table(records: list[dict], policies: list[str], budgets: list[str], metrics: list[str]) -> str:
+    """A markdown table: one row per policy, one column per metric × budget, and the prompt counts."""
+    cells: dict[tuple[str, str, str], float | None] = {}
+    counts = {}
+    for budget in budgets:
+        common = []
+        for record in records:
+            by_policy = {r["policy"]: r for r in record["results"] if r["budget"] == budget}
+            if all(p in by_policy and "error" not in by_policy[p] for p in policies):
+                common.append(by_policy)
+        counts[budget] = len(common)
+        for policy in policies:
+            for metric in metrics:
+                values = [c[policy][metric] for c in common if c[policy].get(metric) is not None]
+                cells[policy, budget, metric] = statistics.fmean(values) if values else None
+    digits = {"kl_after_full": 4, "kl_all": 4, "top1_after_full": 3, "top1_all": 3, "perplexity": 3, "kept_age": 0}
+    head = ["policy"] + [f"{LABELS.get(m, m)} {b}" for m in metrics for b in budgets]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for policy in policies:
+        row = [f"`{policy}`"]
+        for metric in metrics:
+            for budget in budgets:
+                value = cells[policy, budget, metric]
+                row.append("–" if value is None else f"{value:.{digits.get(metric, 4)}f}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("Prompts in each mean: " + ", ".join(f"{b}: {counts[b]}" for b in budgets) + f" (of {len(records)}).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--policies", help="comma-separated, in table order (default: as in the first record)")
+    parser.add_argument("--metrics", default="kl_after_full,top1_after_full")
+    args = parser.parse_args(argv)
+    records = load(args.files)
+    if not records:
+        print("fidelity_table: no prompt records in the files", file=sys.stderr)
+        return 2
+    first = records[0]["results"]
+    policies = args.policies.split(",") if args.policies else list(dict.fromkeys(r["policy"] for r in first))
+    budgets = list(dict.fromkeys(r["budget"] for r in first))
+    print(table(records, policies, budgets, args.metrics.split(",")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
