@@ -21,16 +21,18 @@ import statistics
 import sys
 from pathlib import Path
 
-LABELS = {"kl_after_full": "KL", "kl_all": "KL all", "top1_after_full": "top-1", "top1_all": "top-1 all",
-          "perplexity": "ppl", "kept_age": "age"}
+from epikv_cli.batch import read_results
+
+# per metric of `epikv fidelity`: the column label and the decimals shown
+COLUMNS = {"kl_after_full": ("KL", 4), "kl_all": ("KL all", 4), "top1_after_full": ("top-1", 3),
+           "top1_all": ("top-1 all", 3), "perplexity": ("ppl", 3), "kept_age": ("age", 0)}
 
 
 def load(paths: list[Path]) -> list[dict]:
-    """Every prompt record (lines with ``results``) of the files, in order."""
+    """Every prompt record (lines with ``results``) of the files, in order; a line still being written is left out."""
     records, seen = [], set()
     for path in paths:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        for record in read_results(path):
             if "results" not in record:
                 continue
             key = json.dumps(record["id"])
@@ -56,15 +58,14 @@ def table(records: list[dict], policies: list[str], budgets: list[str], metrics:
             for metric in metrics:
                 values = [c[policy][metric] for c in common if c[policy].get(metric) is not None]
                 cells[policy, budget, metric] = statistics.fmean(values) if values else None
-    digits = {"kl_after_full": 4, "kl_all": 4, "top1_after_full": 3, "top1_all": 3, "perplexity": 3, "kept_age": 0}
-    head = ["policy"] + [f"{LABELS.get(m, m)} {b}" for m in metrics for b in budgets]
+    head = ["policy"] + [f"{COLUMNS.get(m, (m, 4))[0]} {b}" for m in metrics for b in budgets]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for policy in policies:
         row = [f"`{policy}`"]
         for metric in metrics:
             for budget in budgets:
                 value = cells[policy, budget, metric]
-                row.append("–" if value is None else f"{value:.{digits.get(metric, 4)}f}")
+                row.append("–" if value is None else f"{value:.{COLUMNS.get(metric, (metric, 4))[1]}f}")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append("Prompts in each mean: " + ", ".join(f"{b}: {counts[b]}" for b in budgets) + f" (of {len(records)}).")
