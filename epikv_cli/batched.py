@@ -19,6 +19,7 @@ from .policies.base import Signals
 from .rows import FULL, SLIDING, RowsCache, RowView
 from .errors import UsageError
 from .hostread import host_copies
+from .keepsets import HeadVictims
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -32,6 +33,13 @@ def union_needs(needs: list[AttentionNeeds | None]) -> AttentionNeeds | None:
         received=any(n.received for n in present), last_row=any(n.last_row for n in present),
         queries=max(n.queries for n in present),
     )
+
+
+def evicted_positions(table, slots: list[int] | HeadVictims) -> list[int]:
+    """The logical positions ``slots`` evict (a granular policy's: those no layer or head holds any more)."""
+    if isinstance(slots, HeadVictims):
+        return slots.gone
+    return table.positions[slots].tolist() if slots else []
 
 
 class BatchDecoder:
@@ -219,7 +227,7 @@ class BatchDecoder:
             row.peak_stored = max(row.peak_stored, row.full.stored)
             over = max(0, row.full.stored - row.budget) if row.budget is not None else 0
             slots = row.policy.select(signals.cache, over) if over else []
-            row.last_evicted = row.full.positions[slots].tolist() if slots else []
+            row.last_evicted = evicted_positions(row.full, slots)
             row.evicted_total += len(slots)
             if slots:
                 plans[FULL].append((index, slots))

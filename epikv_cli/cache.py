@@ -26,6 +26,7 @@ from transformers.cache_utils import (
 )
 
 from .errors import UsageError
+from .keepsets import HeadSlots, HeadVictims
 
 _GROWTH = 2
 #: Slots allocated beyond the first forward's tokens (then doubling, up to the layer's limit).
@@ -281,6 +282,8 @@ class BudgetCache(Cache):
         max_tokens: the most tokens the sequence will hold (prompt + max new tokens), if known.
         compressed_positions: report ``stored`` instead of ``seen`` as the next position.
         slack: entries a policy may keep beyond K between evictions (R-KV: 128).
+        granular: the policy keeps its own set per evicting layer and KV head (:attr:`head_slots`, on the
+            device); the slot table then only counts (stored, seen, free), its positions mean nothing.
 
     Each evicting layer allocates slots as it fills, up to ``budget + max(1, slack)`` (the step that
     appends a token attends over K + 1 entries before the keep-set brings it back to K, as in the
@@ -294,6 +297,7 @@ class BudgetCache(Cache):
         max_tokens: int | None = None,
         compressed_positions: bool = False,
         slack: int = 0,
+        granular: bool = False,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -301,6 +305,8 @@ class BudgetCache(Cache):
         limit = min(limits) if limits else None
         self.budget = budget
         self.compressed_positions = compressed_positions
+        self.granular = granular
+        self.head_slots: HeadSlots | None = None  # granular policies: per (layer, KV head) positions, made at the first write
         self.table = SlotTable(HEADROOM)
         layers: list = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
@@ -331,6 +337,7 @@ class BudgetCache(Cache):
         """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
         super().reset()
         self.table = SlotTable(HEADROOM)
+        self.head_slots = None
         self.evicted_total = 0
         self.peak_stored = 0
         if self.on_reset is not None:
@@ -339,7 +346,12 @@ class BudgetCache(Cache):
     # -- transformers hooks -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
-            self._plan = self.table.append(key_states.shape[-2])
+            count = key_states.shape[-2]
+            self._plan = self.table.append(count)
+            if self.granular:
+                if self.head_slots is None:
+                    self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
+                self.head_slots.append(self._plan.start, count, self.table.seen - count)
         if isinstance(self.layers[layer_idx], BudgetLayer):
             kwargs["plan"] = self._plan
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -387,12 +399,16 @@ class BudgetCache(Cache):
             return 0
         return max(0, self.stored - self.budget)
 
-    def evict(self, slots: list[int]) -> list[int]:
+    def evict(self, slots: list[int] | HeadVictims) -> list[int]:
         """Drop ``slots`` from every evicting layer; return their logical positions.
 
         One slot leaving is left free for the next token (nothing moves); several are filled by the
-        newest entries, and the policy's slot-indexed state follows the same moves.
+        newest entries, and the policy's slot-indexed state follows the same moves. A granular policy's
+        :class:`~epikv_cli.keepsets.HeadVictims` are applied per (layer, KV head) instead; the positions
+        returned are then those no (layer, head) holds any more.
         """
+        if isinstance(slots, HeadVictims):
+            return self._evict_heads(slots)
         if not slots:
             return []
         positions = self.table.positions[slots].tolist()
@@ -404,6 +420,22 @@ class BudgetCache(Cache):
             layer.length = self.table.used
         self.evicted_total += len(positions)
         return positions
+
+    def _evict_heads(self, victims: HeadVictims) -> list[int]:
+        """Each (layer, KV head) drops its own victims; its last entries close the holes (device indices only)."""
+        count, stored = len(victims), self.table.stored
+        if not count:
+            return []
+        with torch.inference_mode():
+            moves = self.head_slots.plan(victims.slots, stored)
+            for index, layer in enumerate(self.budget_layers):
+                moves.apply(layer.keys[0], index)
+                moves.apply(layer.values[0], index)
+        self.table.plan_eviction(list(range(stored - count, stored)))  # the counts; a single one leaves the last slot free
+        for layer in self.budget_layers:
+            layer.length = self.table.used
+        self.evicted_total += count
+        return victims.gone
 
     def _move(self, holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` in every evicting layer, and in the policy's slot-indexed state."""

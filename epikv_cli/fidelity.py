@@ -111,7 +111,10 @@ class Config:
 
 
 def kept_age(cache, prompt_len: int) -> float | None:
-    """Mean age (logical length minus position) of the generated tokens still cached."""
+    """Mean age (logical length minus position) of the generated tokens still cached (over every layer and
+    KV head for a granular policy)."""
+    if getattr(cache, "head_slots", None) is not None:
+        return cache.head_slots.kept_age(cache.stored, cache.seen, prompt_len)
     positions = cache.live_positions()
     generated = positions[positions >= prompt_len]
     return float((cache.seen - generated).float().mean()) if generated.numel() else None

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from .cache import BudgetCache, BudgetLayer, SlotTable
 from .errors import UsageError
+from .keepsets import HeadSlots, HeadVictims
 from .policies import Policy
 from .settings import CacheSettings
 
@@ -42,6 +43,7 @@ class Row:
     evicted_total: int = 0
     peak_stored: int = 0
     last_evicted: list[int] = field(default_factory=list)
+    heads: HeadSlots | None = None  # a granular policy's per (layer, KV head) positions
 
     @property
     def full(self) -> SlotTable:
@@ -156,7 +158,8 @@ class RowsCache(Cache):
             if group not in tables:
                 tables[group] = _table_for(source, group, keys.shape[2])
         budget = source.budget
-        self.rows.append(Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored))
+        row = Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored, heads=source.head_slots)
+        self.rows.append(row)
         return len(self.rows) - 1
 
     def begin_prefill(self) -> None:
@@ -179,11 +182,16 @@ class RowsCache(Cache):
                 if count < length:  # shift the row's last `count` entries to slots 0 .. count - 1
                     layer.keys[row, :, :count] = layer.keys[row, :, length - count : length].clone()
                     layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
+        full = self.layers[self.full_layer_indices[0]].keys if self.full_layer_indices else None
         for row, (setting, policy) in enumerate(zip(settings, policies)):
             prompt = length - pads[row]
             tables = {group: tail_table(prompt, counts[row], prompt) for group, counts in keep.items()}
             budget = setting.budget if policy.evicts else None
-            self.rows.append(Row(setting, policy, budget, tables, queries_needed[row]))
+            heads = None
+            if policy.granular:
+                heads = HeadSlots(len(self.full_layer_indices), full.shape[1], full.device)
+                heads.append(0, prompt, 0)
+            self.rows.append(Row(setting, policy, budget, tables, queries_needed[row], heads=heads))
 
     def row(self, index: int) -> RowView:
         """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ``policy``, ...)."""
@@ -225,6 +233,9 @@ class RowsCache(Cache):
     def end_step(self) -> None:
         """Record the entries the step appended (one per row and group, where :meth:`begin_step` put them)."""
         for row in self.rows:
+            if row.heads is not None:
+                table = row.full
+                row.heads.append(table.used if table.free is None else table.free, 1, table.seen)
             for table in row.tables.values():
                 table.append(1)
             row.full.committed = row.full.seen
@@ -236,6 +247,9 @@ class RowsCache(Cache):
             for group, pairs in plans.items():
                 rows, holes, movers = [], [], []
                 for row_index, slots in pairs:
+                    if isinstance(slots, HeadVictims):
+                        self._evict_heads(row_index, slots)
+                        continue
                     hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
                     if hole and group == FULL:
                         self.rows[row_index].policy.follow_moves(hole, mover)
@@ -244,6 +258,17 @@ class RowsCache(Cache):
                     movers += mover
                 if holes:
                     self._move(group, rows, holes, movers)
+
+    def _evict_heads(self, index: int, victims: HeadVictims) -> None:
+        """Row ``index``'s granular policy drops its own victims in every (layer, KV head)."""
+        row = self.rows[index]
+        stored, count = row.full.stored, len(victims)
+        moves = row.heads.plan(victims.slots, stored)
+        for j, layer_index in enumerate(self.full_layer_indices):
+            layer = self.layers[layer_index]
+            moves.apply(layer.keys[index], j)
+            moves.apply(layer.values[index], j)
+        row.full.plan_eviction(list(range(stored - count, stored)))
 
     def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""
@@ -341,6 +366,10 @@ class RowView:
     @property
     def budget_layer_indices(self) -> list[int]:
         return self.cache.full_layer_indices
+
+    @property
+    def head_slots(self) -> HeadSlots | None:
+        return self.row.heads
 
     @property
     def budget_layers(self) -> list[_LayerRow]:

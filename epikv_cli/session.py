@@ -54,7 +54,7 @@ class EpiKVSession:
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
             model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",
-            slack=self.policy.slack,
+            slack=self.policy.slack, granular=self.policy.granular,
         )
         self.cache.policy = self.policy
         self.cache.on_reset = self._reset

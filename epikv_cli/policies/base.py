@@ -14,6 +14,7 @@ from ..settings import default_recent
 if TYPE_CHECKING:
     from ..attention import AttentionNeeds, AttentionRecord
     from ..cache import BudgetCache
+    from ..keepsets import HeadVictims
     from ..settings import CacheSettings
 
 
@@ -55,6 +56,8 @@ class Policy(ABC):
         staged: True when the policy observes in two halves, :meth:`stage` on the device and
             :meth:`settle` with the few host values it needs, so that the engine can read those values
             together with the sampled tokens (one synchronisation per step).
+        granular: (instance) True when the policy keeps its own set per evicting layer and KV head: it
+            reads ``cache.head_slots`` and :meth:`select` returns :class:`~epikv_cli.keepsets.HeadVictims`.
 
     Instance attributes:
         recent: R, the recent window in force.
@@ -69,6 +72,7 @@ class Policy(ABC):
     attention_needs: ClassVar[AttentionNeeds | None] = None
     slack: ClassVar[int] = 0
     staged: ClassVar[bool] = False
+    granular: bool = False
     #: tunable options (``--policies NAME:key=value``): name -> type of the value
     OPTIONS: ClassVar[dict[str, type]] = {}
     recent: int = 0
@@ -133,8 +137,8 @@ class Policy(ABC):
         """Host half of :meth:`observe`: ``values`` are CPU float64 copies of what :meth:`stage` returned."""
 
     @abstractmethod
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
-        """Return ``count`` live slots of ``cache`` to evict."""
+    def select(self, cache: BudgetCache, count: int) -> list[int] | HeadVictims:
+        """Return ``count`` live slots of ``cache`` to evict (a granular policy: ``count`` per layer and head)."""
 
     def follow_moves(self, holes: list[int], movers: list[int]) -> None:
         """The cache moved slot ``movers[i]`` into ``holes[i]``: slot-indexed state must follow (default: none kept)."""

@@ -20,7 +20,9 @@ refreshes add up, ``sum`` (the default), ``mean`` (per refresh the token was sco
 long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
 weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
 ``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
-token stay with it, as in SnapKV and R-KV).
+token stay with it, as in SnapKV and R-KV); ``keep``: ``global`` (one keep-set for every layer, on the
+host), ``layer`` or ``head`` (each evicting layer, or each of its KV heads, keeps its own set, scored by
+its own attention and chosen on the device, see :mod:`epikv_cli.keepsets`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from ..attention import AttentionNeeds
 from ..errors import UsageError
+from ..keepsets import HeadVictims, gone_positions
 from ..settings import CacheSettings
 from .base import Policy, Signals
 from .epikv import EpiKV
@@ -66,6 +69,30 @@ def received_attention(
     return weights.sum(dim=1).mean(dim=0)
 
 
+def received_by_head(
+    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+    scaling: float | None = None, values: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[kv_heads, n]``: attention each key of each KV head receives from the queries, summed over
+    queries, mean over the query heads that read that KV head.
+
+    Args:
+        queries: ``[heads, w, dim]`` (after RoPE); keys: ``[kv_heads, n, dim]`` in slot order.
+        query_positions: ``[w]``; key_positions: ``[kv_heads, n]`` (each head holds its own tokens).
+        scaling: the layer's softmax scale (default ``dim ** -0.5``).
+        values: ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
+    """
+    heads, w, dim = queries.shape
+    kv_heads, n = keys.shape[0], keys.shape[1]
+    grouped = queries.float().view(kv_heads, heads // kv_heads, w, dim)
+    logits = torch.matmul(grouped, keys.float().unsqueeze(1).transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
+    visible = key_positions.to(keys.device)[:, None, None, :] <= query_positions.to(keys.device)[None, None, :, None]
+    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)  # [kv_heads, group, w, n]
+    if values is not None:
+        weights = weights * values.float().norm(dim=-1)[:, None, None, :]
+    return weights.sum(dim=2).mean(dim=1)
+
+
 def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
     """``[n]``: each slot's score replaced by the largest within ``kernel // 2`` positions of it, in logical
     order (SnapKV's and R-KV's pooling: the neighbours of an attended token stay with it).
@@ -89,19 +116,27 @@ class EpiKV2(Policy):
     staged = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int,
+        "pool": int, "keep": str, "adapt": int,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
-        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1,
+        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "global",
+        adapt: int = 0,
     ) -> None:
         if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
                 or signal not in ("attention", "epiphany", "none") or credit not in ("sum", "mean", "max") or values not in (0, 1) or pool < 1 or pool % 2 == 0):
             raise UsageError(
                 "epikv2 options: sinks >= 0, period >= 1, 0 < decay <= 1, recent >= 0 (a share of K below 1, else tokens), "
-                "prompt score|keep, signal attention|epiphany|none, credit sum|mean|max, values 0|1, pool an odd number >= 1"
+                "prompt score|keep, signal attention|epiphany|none, credit sum|mean|max, values 0|1, pool an odd number >= 1, "
+                "keep global|layer|head"
             )
+        if keep not in ("global", "layer", "head"):
+            raise UsageError(f"epikv2 option keep={keep!r}: use global, layer or head")
+        if adapt not in (0, 1) or (adapt and keep == "global"):
+            raise UsageError("epikv2 option adapt: 0 or 1, and 1 only with keep=layer or keep=head")
+        if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
+            raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the others")
         self.sinks = sinks
         self.recent_share = recent
         self.recent = self.recent_for(budget)
@@ -120,6 +155,13 @@ class EpiKV2(Policy):
         self._decode_steps = 0
         self.candidates = CandidateHeap(unscored=0.0)
         self._stale = True  # scores changed since the heap was built
+        self.keep = keep
+        self.granular = keep != "global"
+        self._head_scores: int | None = None  # granular: the index of its score companion in cache.head_slots
+        self._victims: HeadVictims | None = None  # granular: chosen on the device by stage, named to the host by settle
+        self.adapt = bool(adapt)
+        self._budget = budget
+        self._recent_by_layer: torch.Tensor | None = None  # adapt: [layers] recent window of each layer, on the device
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -135,12 +177,12 @@ class EpiKV2(Policy):
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """At the prefill and every ``period`` steps: the stored queries' attention to each live slot,
         ``[stored]`` on the device, mean over evicting layers (nothing on the other steps)."""
+        if self.granular:
+            return self._stage_heads(signals)
         if self.signal != "attention":
             return self.epiphany.stage(signals) if self.epiphany is not None else []
-        if not signals.prompt:
-            self._decode_steps += 1
-            if self._decode_steps % self.period:
-                return []
+        if not self._refreshes(signals):
+            return []
         cache, record = signals.cache, signals.attention
         positions = cache.live_positions()
         seen = cache.seen
@@ -157,8 +199,78 @@ class EpiKV2(Policy):
         total = total / len(cache.budget_layers)
         return [pooled_over_positions(total, positions, self.pool) if self.pool > 1 else total]
 
+    def _refreshes(self, signals: Signals) -> bool:
+        """Whether this forward refreshes the scores: the prefill, then every ``period`` decode steps."""
+        if signals.prompt:
+            return True
+        self._decode_steps += 1
+        return self._decode_steps % self.period == 0
+
+    def _stage_heads(self, signals: Signals) -> list[torch.Tensor]:
+        """Granular: refresh each (layer, KV head)'s scores from its own attention, then, over the budget,
+        choose each one's victims on the device; return their positions and whether each is now held
+        nowhere (for the step's one host read)."""
+        cache = signals.cache
+        slots, stored, seen = cache.head_slots, cache.stored, cache.seen
+        if self._head_scores is None:
+            self._head_scores = slots.companion()
+        scores = slots.companions[self._head_scores]
+        positions = slots.live(stored)
+        floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
+        if self._recent_by_layer is None:
+            self._recent_by_layer = torch.full((slots.layers,), self.recent, dtype=torch.long, device=scores.device)
+        if self._refreshes(signals) and self.signal == "attention":
+            parts = []
+            for j, (index, layer) in enumerate(zip(cache.budget_layer_indices, cache.budget_layers)):
+                queries = signals.attention.queries[index]
+                keys, values = layer.live()
+                part = received_by_head(
+                    queries, keys[0], torch.arange(seen - queries.shape[1], seen), positions[j],
+                    scaling=signals.attention.scaling.get(index), values=values[0] if self.value_weighted else None,
+                ).to(scores.device)
+                parts.append(part.mean(dim=0, keepdim=True).expand_as(part) if self.keep == "layer" else part)
+            received = torch.stack(parts)  # [layers, kv_heads, stored]
+            if self.adapt:
+                self._adapt_recent(received, positions, floor, seen)
+            current = scores[:, :, :stored]
+            scores[:, :, :stored] = (current * self.decay if self.decay < 1 else current) + received
+        over = stored - cache.budget if cache.budget is not None else 0
+        self._victims = None
+        if over <= 0:
+            return []
+        candidates = (positions >= floor) & (positions < seen - self._recent_by_layer[:, None, None])
+        victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
+        self._victims = HeadVictims(victims, [])
+        return list(slots.release(victims, stored))
+
+    def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
+        """adapt=1: move each layer's recent window by K/16 towards whichever use of its heavy slots this
+        refresh's queries attended more: the h heavy hitters it holds, or the h oldest tokens of its recent
+        window (standing for the h more recent tokens that streaming would hold instead). Bounded by half
+        of K and K minus the sinks; computed on the device.
+
+        Args:
+            received: ``[layers, kv_heads, n]`` this refresh's attention; positions: ``[layers, kv_heads, n]``.
+        """
+        recent = self._recent_by_layer[:, None, None]
+        heavy = (positions >= floor) & (positions < seen - recent)
+        count = heavy.sum(dim=-1, keepdim=True)  # [layers, kv_heads, 1]
+        band = (positions >= seen - recent) & (positions < seen - recent + count)
+        lead = (received * band).sum(dim=-1) - (received * heavy).sum(dim=-1)  # [layers, kv_heads]: recency's lead
+        voting = count[..., 0] > 0
+        votes = voting.sum(dim=-1)
+        direction = torch.sign((lead * voting).sum(dim=-1)) * (votes > 0)  # [layers]: +1 grow, -1 shrink, 0 no vote
+        direction = torch.where((direction == 0) & (votes > 0), -1, direction)  # a tie favours the heavy hitters
+        step = max(1, self._budget // 16)
+        high = self._budget - self.sinks
+        self._recent_by_layer = (self._recent_by_layer + step * direction.long()).clamp(min=self._budget // 2, max=high)
+
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
-        """Credit a refresh's attention to the live tokens."""
+        """Credit a refresh's attention to the live tokens (granular: learn which victims left for good)."""
+        if self.granular:
+            if self._victims is not None and values:
+                self._victims.gone = gone_positions(values[0], values[1])
+            return
         if self.epiphany is not None:
             self.epiphany.settle(signals, values)
         elif values:
@@ -198,12 +310,18 @@ class EpiKV2(Policy):
             what += f" and the {prompt_len}-token prompt"
         return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: BudgetCache, count: int) -> list[int] | HeadVictims:
         """The ``count`` lowest scores among the evictable tokens (unscored counts as 0; ties: the older).
 
         Between refreshes scores are frozen and one token leaves the recent window per step, so the
-        candidates wait in a heap; a refresh rebuilds it from the live tokens' new scores.
+        candidates wait in a heap; a refresh rebuilds it from the live tokens' new scores. Granular: the
+        victims :meth:`stage` chose on the device for every (layer, KV head).
         """
+        if self.granular:
+            victims, self._victims = self._victims, None
+            if victims is None or len(victims) != count:
+                raise RuntimeError(f"epikv2 keep={self.keep}: asked to evict {count}, but the step chose {0 if victims is None else len(victims)}")
+            return victims
         if self.epiphany is not None:
             book = self.epiphany.book
         else:

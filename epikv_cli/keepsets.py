@@ -1,0 +1,186 @@
+"""Keep-sets per evicting layer and KV head, decided and applied on the model's device.
+
+The budget cache's slot table gives every evicting layer one shared keep-set. A granular policy keeps
+a different set of tokens in every layer and KV head (as SnapKV, PyramidKV and kvpress's presses do),
+which measured closer to the full cache than one global set. :class:`HeadSlots` holds, for one
+sequence, which logical position each slot of every (layer, KV head) holds. Entries stay compact:
+slots ``0 .. stored - 1`` are live in every (layer, head), so the attention kernels, masks and the
+next token's write slot are exactly those of the shared slot table. When one entry per (layer, head)
+leaves, each head's last entry moves into its victim's slot (one indexed copy per tensor and layer,
+device indices only: no host round-trip); several at once (a prompt over the budget) are gathered.
+
+Every (layer, head) evicts the same number of entries, so counts stay shared. A token has fully left
+the cache when no (layer, head) holds it any more: :attr:`HeadSlots.holders` counts, per logical
+position, the pairs still holding it, so that events can name the tokens gone everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_GROWTH = 2
+#: Slots and positions allocated beyond the first need (then doubling).
+HEADROOM = 256
+_LAST = torch.iinfo(torch.long).max
+
+
+@dataclass
+class HeadVictims:
+    """What a granular policy evicts in one step: ``slots`` ``[layers, heads, count]`` per (layer, KV head),
+    and ``gone``, the logical positions no (layer, head) holds any more afterwards (host list)."""
+
+    slots: torch.Tensor
+    gone: list[int]
+
+    def __len__(self) -> int:
+        return self.slots.shape[-1]
+
+
+@dataclass
+class HeadMoves:
+    """How every (layer, head) closes the slots its victims leave.
+
+    Either one victim each: ``victims`` ``[layers, heads]`` and the slot ``last`` whose entry moves into
+    it (a victim in the last slot stays where it is: the slot is dropped); or several: ``order``
+    ``[layers, heads, kept]``, the slots to keep in slot order, gathered to the front.
+    """
+
+    victims: torch.Tensor | None = None
+    last: int = 0
+    order: torch.Tensor | None = None
+
+    def apply_stacked(self, tensor: torch.Tensor) -> None:
+        """Apply every layer's moves to ``tensor`` ``[layers, heads, slots]`` at once (in place)."""
+        if self.order is not None:
+            tensor[..., : self.order.shape[-1]] = torch.gather(tensor, -1, self.order)
+            return
+        layers, heads = self.victims.shape
+        rows = torch.arange(layers, device=tensor.device)[:, None]
+        tensor[rows, torch.arange(heads, device=tensor.device)[None, :], self.victims] = tensor[:, :, self.last].clone()
+
+    def apply(self, tensor: torch.Tensor, layer: int) -> None:
+        """Apply layer ``layer``'s moves to ``tensor`` ``[heads, slots, ...]`` (a view, moved in place)."""
+        heads = tensor.shape[0]
+        if self.order is not None:
+            order = self.order[layer].to(tensor.device)
+            index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand(*order.shape, *tensor.shape[2:])
+            tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
+            return
+        victims = self.victims[layer].to(tensor.device)
+        tensor[torch.arange(heads, device=tensor.device), victims] = tensor[:, self.last].clone()
+
+
+class HeadSlots:
+    """Which logical position each slot of every evicting layer and KV head holds, on one device.
+
+    Args:
+        layers: evicting layers; heads: KV heads per layer; device: where the map lives.
+
+    Attributes:
+        positions: ``[layers, heads, capacity]`` int64, valid for slots below the cache's stored count.
+        holders: ``[tokens]`` int32: how many (layer, head) pairs hold each logical position.
+        companions: a policy's slot-indexed ``[layers, heads, capacity]`` state, moved with the entries.
+    """
+
+    def __init__(self, layers: int, heads: int, device: torch.device | str) -> None:
+        self.layers, self.heads, self.device = layers, heads, torch.device(device)
+        self.positions = _zeros((layers, heads, HEADROOM), torch.long, self.device)
+        self.holders = _zeros((HEADROOM,), torch.int32, self.device)
+        self.companions: list[torch.Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[-1]
+
+    def _grow(self, slots: int, tokens: int) -> None:
+        if slots > self.capacity:
+            size = max(slots, _GROWTH * self.capacity)
+            self.positions = _padded(self.positions, size)
+            self.companions = [_padded(tensor, size) for tensor in self.companions]
+        if tokens > self.holders.numel():
+            self.holders = _padded(self.holders, max(tokens, _GROWTH * self.holders.numel()))
+
+    def companion(self, dtype: torch.dtype = torch.float32) -> int:
+        """Register a zero ``[layers, heads, capacity]`` tensor that follows every move; return its index
+        (read it back as ``companions[index]``: growing replaces the tensor)."""
+        self.companions.append(_zeros((self.layers, self.heads, self.capacity), dtype, self.device))
+        return len(self.companions) - 1
+
+    def append(self, start: int, count: int, first: int) -> None:
+        """Slots ``start .. start + count - 1`` of every (layer, head) now hold positions ``first ..``."""
+        self._grow(start + count, first + count)
+        self.positions[:, :, start : start + count] = torch.arange(first, first + count, device=self.device)
+        self.holders[first : first + count] = self.layers * self.heads
+        for tensor in self.companions:
+            tensor[:, :, start : start + count] = 0
+
+    def live(self, stored: int) -> torch.Tensor:
+        """``[layers, heads, stored]`` positions of the live slots (a view)."""
+        return self.positions[:, :, :stored]
+
+    def lowest(self, scores: torch.Tensor, candidates: torch.Tensor, stored: int, count: int) -> torch.Tensor:
+        """``[layers, heads, count]`` slots with the lowest ``scores`` among ``candidates`` (ties: the older
+        token), per (layer, head). Every (layer, head) must have ``count`` candidates.
+
+        Args:
+            scores: ``[layers, heads, stored]``; candidates: ``[layers, heads, stored]`` bool.
+        """
+        positions = self.live(stored)
+        keyed = scores.masked_fill(~candidates, float("inf"))
+        if count == 1:
+            low = keyed.amin(dim=-1, keepdim=True)
+            tied = candidates & (keyed == low)
+            return positions.masked_fill(~tied, _LAST).argmin(dim=-1, keepdim=True)
+        by_position = torch.argsort(positions.masked_fill(~candidates, _LAST), dim=-1, stable=True)
+        by_score = torch.argsort(torch.gather(keyed, -1, by_position), dim=-1, stable=True)
+        return torch.gather(by_position, -1, by_score[..., :count])
+
+    def release(self, victims: torch.Tensor, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the ``victims`` ``[layers, heads, count]`` out of :attr:`holders`; return their positions
+        ``[n]`` and whether each is now held nowhere ``[n]`` (both on the device, for one host read)."""
+        gone = torch.gather(self.live(stored), -1, victims).reshape(-1)
+        self.holders.index_add_(0, gone, torch.full_like(gone, -1, dtype=torch.int32))
+        return gone, self.holders[gone] == 0
+
+    def plan(self, victims: torch.Tensor, stored: int) -> HeadMoves:
+        """Move this map and the companions for dropping ``victims`` ``[layers, heads, count]`` of ``stored``
+        live slots; return the same moves for the key and value buffers."""
+        count = victims.shape[-1]
+        if count == 1:
+            moves = HeadMoves(victims=victims[..., 0], last=stored - 1)
+        else:
+            keep = torch.ones((self.layers, self.heads, stored), dtype=torch.bool, device=self.device)
+            keep.scatter_(-1, victims, False)
+            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., : stored - count]
+            moves = HeadMoves(order=order)
+        for tensor in [self.positions, *self.companions]:
+            moves.apply_stacked(tensor)
+        return moves
+
+    def kept_age(self, stored: int, seen: int, prompt_len: int) -> float | None:
+        """Mean age (``seen`` minus position) of the generated tokens held, over every (layer, head)."""
+        positions = self.live(stored)
+        generated = positions[positions >= prompt_len]
+        return float((seen - generated).float().mean()) if generated.numel() else None
+
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor that may be updated in place inside and outside inference mode (the cache is written
+    during the model's forward, the policy updates it after)."""
+    with torch.inference_mode(False):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """``tensor`` with its last dimension zero-padded to ``size``."""
+    grown = _zeros((*tensor.shape[:-1], size), tensor.dtype, tensor.device)
+    grown[..., : tensor.shape[-1]] = tensor
+    return grown
+
+
+def gone_positions(positions: torch.Tensor, gone: torch.Tensor) -> list[int]:
+    """Host copies of :meth:`HeadSlots.release`'s results -> the sorted positions held nowhere any more."""
+    return sorted({int(p) for p, g in zip(positions.tolist(), gone.tolist()) if g})
