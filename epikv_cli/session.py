@@ -261,6 +261,7 @@ def attach(
     positions: str = "logical",
     seed: int = 0,
     batch_size: int = 1,
+    options: dict[str, object] | None = None,
 ) -> Iterator[BudgetCache | RowsCache]:
     """Run ``model`` under an EpiKV-managed cache of at most ``budget`` entries per evicting layer.
 
@@ -279,9 +280,11 @@ def attach(
         positions: ``"logical"`` (default) or ``"compressed"`` (paper-time harness).
         seed: for ``policy="random"``.
         batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
+        options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
     settings = CacheSettings(
-        budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed
+        budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed,
+        options=tuple((key, str(value)) for key, value in (options or {}).items()),
     )
     if batch_size == 1:
         with EpiKVSession(model, settings) as session:

@@ -97,3 +97,24 @@ def test_right_padding_and_a_wrong_batch_size_are_refused():
     with epikv_cli.attach(model, budget=16, policy="streaming") as cache:
         with pytest.raises(UsageError, match="attach with batch_size=N"):
             model.generate(ids, cache=cache, max_new_tokens=3, **GEN)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_padded_batch_under_granular_epikv2_equals_each_prompt_alone(arch):
+    """The batched prefill hands each row its own per (layer, KV head) keep-sets."""
+    model = tiny_model(arch, seed=3, initializer_range=0.15)
+    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    options = {"keep": "head", "adapt": 1, "recent": 0.25}
+    expected = []
+    for prompt in prompts:
+        with epikv_cli.attach(model, budget=20, policy="epikv2", options=options) as cache:
+            tokens, logits = generate(model, prompt[None], torch.ones(1, prompt.numel(), dtype=torch.long), cache)
+            expected.append((tokens[0], logits[0], cache.evicted_total))
+    ids, mask = left_padded(prompts)
+    with epikv_cli.attach(model, budget=20, policy="epikv2", options=options, batch_size=len(prompts)) as cache:
+        tokens, logits = generate(model, ids, mask, cache)
+        for row, (want_tokens, want_logits, want_evicted) in enumerate(expected):
+            assert torch.equal(tokens[row], want_tokens)
+            assert torch.allclose(logits[row], want_logits, atol=1e-4, rtol=0), (logits[row] - want_logits).abs().max()
+            assert cache.row(row).evicted_total == want_evicted > 0
+            assert cache.row(row).head_slots.live(cache.row(row).stored).shape[-1] == 20

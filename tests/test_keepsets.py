@@ -1,0 +1,234 @@
+"""Keep-sets per evicting layer and KV head (epikv_cli/keepsets.py) and the granular epikv2 that uses them:
+the map's arithmetic by hand, exactness against a full forward masked per layer and head, budget
+invariants, and the adaptive recent window."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from epikv_cli.engine import CacheStream, Generation
+from epikv_cli.errors import UsageError
+from epikv_cli.keepsets import HeadSlots, gone_positions
+from epikv_cli.policies import make_policy
+from epikv_cli.policies.epikv2 import EpiKV2, received_by_head
+from epikv_cli.settings import CacheSettings, SamplingSettings
+
+from conftest import tiny_model
+
+
+def slots_holding(rows: list[list[list[int]]]) -> HeadSlots:
+    """A map whose (layer, head) slot s holds ``rows[layer][head][s]`` (all rows the same length)."""
+    layers, heads, stored = len(rows), len(rows[0]), len(rows[0][0])
+    slots = HeadSlots(layers, heads, "cpu")
+    slots.append(0, stored, 0)
+    slots.positions[:, :, :stored] = torch.tensor(rows)
+    return slots
+
+
+def test_lowest_is_per_head_and_breaks_ties_by_age():
+    slots = slots_holding([[[5, 1, 3, 2], [0, 1, 2, 3]]])
+    scores = torch.tensor([[[0.5, 0.1, 0.1, 0.9], [0.3, 0.3, 0.2, 0.3]]])
+    candidates = torch.ones(1, 2, 4, dtype=torch.bool)
+    # head 0: slots 1 and 2 tie at 0.1, slot 1 holds the older position (1 < 3); head 1: slot 2 is lowest
+    assert slots.lowest(scores, candidates, 4, 1).tolist() == [[[1], [2]]]
+    # two each: by score, then by age (head 1: 0.2 first, then the oldest of the three 0.3s, position 0)
+    assert slots.lowest(scores, candidates, 4, 2).tolist() == [[[1, 2], [2, 0]]]
+    candidates[0, 0, 1] = False  # not evictable: the next lowest of head 0 is slot 2
+    assert slots.lowest(scores, candidates, 4, 1).tolist() == [[[2], [2]]]
+
+
+def test_one_victim_per_head_is_replaced_by_that_heads_last_entry():
+    slots = slots_holding([[[0, 1, 2, 3], [0, 1, 2, 3]], [[0, 1, 2, 3], [0, 1, 2, 3]]])
+    scores = slots.companions[slots.companion()]
+    scores[:, :, :4] = torch.arange(16, dtype=torch.float32).view(2, 2, 4)
+    keys = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # one layer's [heads, slots, dim]
+    moves = slots.plan(torch.tensor([[[1], [3]], [[0], [2]]]), 4)
+    moves.apply(keys, 0)
+    assert slots.live(3).tolist() == [[[0, 3, 2], [0, 1, 2]], [[3, 1, 2], [0, 1, 3]]]
+    assert scores[:, :, :3].tolist() == [[[0, 3, 2], [4, 5, 6]], [[11, 9, 10], [12, 13, 15]]]
+    expected = torch.arange(24, dtype=torch.float32).view(2, 4, 3)
+    expected[0, 1] = expected[0, 3]  # head 0 of layer 0: slot 1 takes slot 3; head 1 dropped its last slot
+    assert torch.equal(keys, expected)
+
+
+def test_several_victims_are_gathered_in_slot_order():
+    slots = slots_holding([[[10, 11, 12, 13, 14], [10, 11, 12, 13, 14]]])
+    keys = torch.arange(10, dtype=torch.float32).view(2, 5, 1)
+    moves = slots.plan(torch.tensor([[[0, 3], [4, 1]]]), 5)
+    moves.apply(keys, 0)
+    assert slots.live(3).tolist() == [[[11, 12, 14], [10, 12, 13]]]
+    assert keys[:, :3, 0].tolist() == [[1, 2, 4], [5, 7, 8]]
+
+
+def test_a_token_is_gone_only_when_no_layer_or_head_holds_it():
+    slots = slots_holding([[[0, 1, 2], [0, 1, 2]], [[0, 1, 2], [0, 1, 2]]])
+    first, gone = slots.release(torch.tensor([[[1], [1]], [[1], [2]]]), 3)
+    assert first.tolist() == [1, 1, 1, 2]
+    assert gone_positions(first, gone) == []  # position 1 is still in layer 1 head 1
+    second, gone = slots.release(torch.tensor([[[0], [0]], [[0], [1]]]), 3)
+    assert gone_positions(second, gone) == [1]
+    assert slots.holders[:3].tolist() == [1, 0, 3]
+
+
+def test_received_by_head_by_hand():
+    queries = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])  # 2 query heads, one query each, 1 KV head
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+    got = received_by_head(queries, keys, torch.tensor([5]), torch.tensor([[1, 2, 6]]), scaling=1.0)
+    # the key at position 6 comes after the query: hidden; the two heads' softmaxes over the others mirror
+    # each other ([e, 1] / (e + 1) and [1, e] / (e + 1)), so their mean is a half each
+    assert torch.allclose(got, torch.tensor([[0.5, 0.5, 0.0]]))
+    two = received_by_head(queries, keys.expand(2, 3, 2), torch.tensor([5]), torch.tensor([[1, 2, 3], [1, 2, 3]]), scaling=1.0)
+    e = torch.softmax(torch.tensor([1.0, 0.0, 1.0]), 0)  # with 2 KV heads each query head reads its own
+    assert torch.allclose(two, torch.stack([e, e[[1, 0, 2]]]))
+
+
+def test_granular_options_are_checked():
+    for options in ((("keep", "rows"),), (("adapt", "1"),), (("keep", "head"), ("credit", "mean")), (("keep", "head"), ("signal", "epiphany"))):
+        with pytest.raises(UsageError, match="epikv2"):
+            make_policy(CacheSettings(budget=64, policy="epikv2", options=options))
+    assert make_policy(CacheSettings(budget=64, policy="epikv2", options=(("keep", "head"),))).granular
+
+
+def test_adaptive_window_moves_towards_what_is_attended():
+    policy = EpiKV2(64, keep="head", adapt=1)
+    policy._recent_by_layer = torch.tensor([48, 48])
+    seen = 100
+    positions = torch.cat([torch.arange(4), torch.arange(40, 52), torch.arange(52, 100)]).expand(2, 1, 64)  # sinks, 12 heavy, 48 recent
+    received = torch.zeros(2, 1, 64)
+    received[0, 0, 4:16] = 1.0  # layer 0: the heavy hitters are attended
+    received[1, 0, 16:28] = 1.0  # layer 1: the oldest recent tokens are
+    received[1, 0, 5] = 1.0  # (position 41: a heavy hitter now, the oldest recent token once the window is 59)
+    policy._adapt_recent(received, positions, 4, seen)
+    assert policy._recent_by_layer.tolist() == [44, 52]  # K/16 = 4 each way
+    policy._recent_by_layer = torch.tensor([33, 59])
+    policy._adapt_recent(received, positions, 4, seen)
+    assert policy._recent_by_layer.tolist() == [32, 60]  # bounded by K/2 and K - sinks
+
+
+# -- the granular policy inside the model ------------------------------------------------------------------
+
+MASKS: dict[int, torch.Tensor] = {}
+
+
+def masked_per_head(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention that also hides, per KV head of the layers in MASKS, what that head evicted."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[2]]
+    visible = MASKS.get(module.layer_idx)
+    if visible is not None:
+        scores = scores.masked_fill(~visible.repeat_interleave(groups, 0)[None], -math.inf)
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register("epikv_test_masked_per_head", masked_per_head)
+AttentionMaskInterface.register("epikv_test_masked_per_head", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1"))])
+def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(arch, options):
+    """Each step's logits equal one forward over the whole sequence in which every (layer, KV head) hides,
+    from the query at position p, what it had evicted before p was fed."""
+    model = tiny_model(arch, seed=5, initializer_range=0.15)  # sharp enough that heads choose differently
+    prompt_len, steps, budget = 30, 60, 20
+    ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(11))
+    settings_ = CacheSettings(budget=budget, policy="epikv2", options=(("recent", "0.25"), *options))
+    held, logits, tokens = [], [], ids[0].tolist()
+    with CacheStream(model, settings_, max_tokens=prompt_len + steps) as stream:
+        out = stream.feed(ids)
+        for step in range(steps):
+            logits.append(out)
+            held.append(stream.cache.head_slots.live(stream.cache.stored).clone())
+            tokens.append(int(out.argmax()))
+            if step < steps - 1:
+                out = stream.feed(torch.tensor([[tokens[-1]]]))
+        layers = stream.cache.budget_layer_indices
+    final = [[sorted(keep.tolist()) for keep in layer] for layer in held[-1]]
+    if ("keep", "layer") in options:
+        assert all(layer[0] == layer[1] for layer in final)  # one set per layer, shared by its heads
+        assert final[0][0] != final[1][0]
+    else:
+        assert len({tuple(keep) for layer in final for keep in layer}) > 1  # the heads did keep different tokens
+    assert all(keep.shape[-1] == budget for keep in held)
+    total = prompt_len + steps - 1
+    heads = held[0].shape[1]
+    for j, layer in enumerate(layers):
+        visible = torch.tril(torch.ones(heads, total, total, dtype=torch.bool))
+        for k in range(steps - 1):  # the query at prompt_len + k sees what every head held after step k, and itself
+            row = torch.zeros(heads, total, dtype=torch.bool)
+            row.scatter_(1, held[k][j], True)
+            row[:, prompt_len + k] = True
+            visible[:, prompt_len + k] = row
+        MASKS[layer] = visible
+    base = model.config._attn_implementation
+    model.set_attn_implementation("epikv_test_masked_per_head")
+    try:
+        with torch.no_grad():
+            reference = model(input_ids=torch.tensor([tokens[:total]]), position_ids=torch.arange(total)[None]).logits[0, prompt_len - 1 :]
+    finally:
+        model.set_attn_implementation(base)
+        MASKS.clear()
+    ours = torch.stack(logits)
+    assert torch.allclose(ours, reference, atol=1e-4, rtol=0), (ours - reference).abs().max()
+
+
+MODEL = tiny_model("qwen2", seed=7, initializer_range=0.15)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt_len=st.integers(1, 40), extra=st.integers(0, 30), new_tokens=st.integers(1, 120), adapt=st.sampled_from(["0", "1"]),
+    keep=st.sampled_from(["head", "layer"]),
+)
+def test_granular_budget_invariants(prompt_len, extra, new_tokens, adapt, keep):
+    """After every step each (layer, head) holds exactly min(seen, K) tokens, never loses a sink or its
+    recent window, and the step names as evicted exactly the positions no (layer, head) holds any more."""
+    options = (("keep", keep), ("adapt", adapt))
+    budget = make_policy(CacheSettings(budget=64, policy="epikv2", options=options)).min_budget(0) + extra
+    settings_ = CacheSettings(budget=budget, policy="epikv2", options=options)
+    smallest_window = budget // 2 if adapt == "1" else int(round(0.75 * budget))
+    ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    gone: set[int] = set()
+    with CacheStream(MODEL, settings_, max_tokens=prompt_len + new_tokens) as stream:
+        out = stream.feed(ids)
+        for step in range(new_tokens):
+            evicted = set(stream.session.last.evicted)
+            assert not evicted & gone, "a position was evicted twice"
+            gone |= evicted
+            cache = stream.cache
+            held = [set(keep.tolist()) for keep in cache.head_slots.live(cache.stored).flatten(0, 1)]
+            assert all(len(keep) == min(cache.seen, budget) for keep in held)
+            protected = set(range(min(4, cache.seen))) | set(range(max(0, cache.seen - smallest_window), cache.seen))
+            assert protected <= set.intersection(*held)
+            assert gone == set(range(cache.seen)) - set.union(*held)
+            out = stream.feed(out.argmax().view(1, 1))
+
+
+def test_generation_reads_the_victims_with_the_token(tokenizer):
+    """The engine (one host read per step, victims named with the sampled token) makes the same tokens and
+    evictions as a stream that settles after each forward."""
+    settings_ = CacheSettings(budget=24, policy="epikv2", options=(("keep", "head"), ("adapt", "1"), ("recent", "0.5")))
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    run = Generation(MODEL, tokenizer, ids, settings_, SamplingSettings(max_new_tokens=50, ignore_eos=True))
+    events = list(run)
+    tokens, evicted = [], []
+    with CacheStream(MODEL, settings_, max_tokens=70) as stream:
+        out = stream.feed(ids)
+        for _ in range(50):
+            evicted.append(stream.session.last.evicted)
+            tokens.append(int(out.argmax()))
+            out = stream.feed(torch.tensor([[tokens[-1]]]))
+    assert [e.token_id for e in events] == tokens
+    assert [e.evicted for e in events] == evicted
+    assert sum(map(len, evicted)) > 10
