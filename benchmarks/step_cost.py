@@ -39,7 +39,7 @@ def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
     if policy.attention_needs is not None:
         raise SystemExit(f"{policy_name} reads attention from the forward; this benchmark has no forward")
     policy.setup(text.num_hidden_layers)
-    cache = BudgetCache(config, budget, slack=policy.slack)
+    cache = BudgetCache(config, budget, slack=policy.slack, granular=policy.granular)
     cache.policy = policy
     generator = torch.Generator().manual_seed(seed)
     prompt = budget // 2

@@ -16,7 +16,7 @@ position, the pairs still holding it, so that events can name the tokens gone ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,14 @@ _GROWTH = 2
 #: Slots and positions allocated beyond the first need (then doubling).
 HEADROOM = 256
 _LAST = torch.iinfo(torch.long).max
+
+
+def order_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 keys that sort like ``(score, position)``: one ``argmin`` or ``topk`` finds the lowest score
+    and, among equal scores, the older token. ``scores`` are float32 (any sign), ``positions`` < 2**32."""
+    bits = scores.float().view(torch.int32).long()
+    monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)  # float order as integers
+    return monotone * 2**32 + positions
 
 
 @dataclass
@@ -50,6 +58,13 @@ class HeadMoves:
     victims: torch.Tensor | None = None
     last: int = 0
     order: torch.Tensor | None = None
+    _head_index: dict = field(default_factory=dict, repr=False)
+
+    def _heads(self, heads: int, device: torch.device) -> torch.Tensor:
+        """``arange(heads)`` on ``device``, made once per device for all the layers and buffers."""
+        if device not in self._head_index:
+            self._head_index[device] = torch.arange(heads, device=device)
+        return self._head_index[device]
 
     def apply_stacked(self, tensor: torch.Tensor) -> None:
         """Apply every layer's moves to ``tensor`` ``[layers, heads, slots]`` at once (in place)."""
@@ -58,18 +73,17 @@ class HeadMoves:
             return
         layers, heads = self.victims.shape
         rows = torch.arange(layers, device=tensor.device)[:, None]
-        tensor[rows, torch.arange(heads, device=tensor.device)[None, :], self.victims] = tensor[:, :, self.last].clone()
+        tensor[rows, self._heads(heads, tensor.device)[None, :], self.victims] = tensor[:, :, self.last]
 
     def apply(self, tensor: torch.Tensor, layer: int) -> None:
         """Apply layer ``layer``'s moves to ``tensor`` ``[heads, slots, ...]`` (a view, moved in place)."""
-        heads = tensor.shape[0]
         if self.order is not None:
             order = self.order[layer].to(tensor.device)
             index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand(*order.shape, *tensor.shape[2:])
             tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
             return
-        victims = self.victims[layer].to(tensor.device)
-        tensor[torch.arange(heads, device=tensor.device), victims] = tensor[:, self.last].clone()
+        # a head whose victim is its last slot copies that entry onto itself: no head reads what another writes
+        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last]
 
 
 class HeadSlots:
@@ -127,15 +141,10 @@ class HeadSlots:
         Args:
             scores: ``[layers, heads, stored]``; candidates: ``[layers, heads, stored]`` bool.
         """
-        positions = self.live(stored)
-        keyed = scores.masked_fill(~candidates, float("inf"))
+        keys = order_keys(scores, self.live(stored)).masked_fill(~candidates, _LAST)
         if count == 1:
-            low = keyed.amin(dim=-1, keepdim=True)
-            tied = candidates & (keyed == low)
-            return positions.masked_fill(~tied, _LAST).argmin(dim=-1, keepdim=True)
-        by_position = torch.argsort(positions.masked_fill(~candidates, _LAST), dim=-1, stable=True)
-        by_score = torch.argsort(torch.gather(keyed, -1, by_position), dim=-1, stable=True)
-        return torch.gather(by_position, -1, by_score[..., :count])
+            return keys.argmin(dim=-1, keepdim=True)
+        return torch.topk(keys, count, dim=-1, largest=False, sorted=True).indices
 
     def release(self, victims: torch.Tensor, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the ``victims`` ``[layers, heads, count]`` out of :attr:`holders`; return their positions
@@ -165,6 +174,56 @@ class HeadSlots:
         generated = positions[positions >= prompt_len]
         return float((seen - generated).float().mean()) if generated.numel() else None
 
+
+
+class Shortlist:
+    """Each (layer, head)'s possible victims until the next refresh, so that a step picks among a few
+    instead of all K: the ``period + 1`` lowest current candidates, and the ``period`` tokens that will
+    leave the recent window meanwhile. Scores are frozen between refreshes and one token leaves per step,
+    so the lowest candidate of every step is always on the list (the step that builds it and at most
+    ``period`` more take its lowest entries before it is rebuilt). Slots follow the moves that close the
+    victims' slots.
+
+    Attributes:
+        slots, positions: ``[layers, heads, size]`` of the listed tokens; alive: ``[layers, heads, size]``
+        bool, False for padding and for tokens already picked.
+    """
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor) -> None:
+        self.slots, self.positions, self.alive = slots, positions, alive
+
+    @classmethod
+    def build(
+        cls, slots: HeadSlots, scores: torch.Tensor, candidates: torch.Tensor, window_start: torch.Tensor, floor: int,
+        stored: int, period: int,
+    ) -> Shortlist:
+        """From ``scores`` and ``candidates`` ``[layers, heads, stored]``, with the recent window of each
+        layer starting at ``window_start`` ``[layers, 1, 1]`` (its oldest tokens are the next candidates)."""
+        positions = slots.live(stored)
+        # this step's victim and up to `period` picks come from the lowest current candidates
+        low = torch.topk(order_keys(scores, positions).masked_fill(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
+        upcoming = (positions >= window_start) & (positions < window_start + period) & (positions >= floor)
+        soon = torch.topk(positions.masked_fill(~upcoming, _LAST), min(period, stored), dim=-1, largest=False)
+        listed = torch.cat([low.indices, soon.indices], dim=-1)
+        alive = torch.cat([low.values != _LAST, soon.values != _LAST], dim=-1)
+        return cls(listed, torch.gather(positions, -1, listed), alive)
+
+    def pick(self, scores: torch.Tensor, seen: int, recent: torch.Tensor) -> torch.Tensor:
+        """``[layers, heads, 1]``: each (layer, head)'s lowest listed candidate (``scores`` ``[layers, heads,
+        slots]``; a token is a candidate once it is older than its layer's ``recent`` ``[layers]`` window)."""
+        eligible = self.alive & (self.positions < seen - recent[:, None, None])
+        keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill(~eligible, _LAST)
+        chosen = keys.argmin(dim=-1, keepdim=True)
+        self.alive.scatter_(-1, chosen, False)
+        return torch.gather(self.slots, -1, chosen)
+
+    def drop(self, victims: torch.Tensor) -> None:
+        """``victims`` ``[layers, heads, 1]`` (chosen elsewhere) leave the list."""
+        self.alive &= self.slots != victims
+
+    def follow(self, victims: torch.Tensor, last: int) -> None:
+        """The entry in slot ``last`` moved into each (layer, head)'s victim slot ``[layers, heads, 1]``."""
+        self.slots = torch.where(self.slots == last, victims, self.slots)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

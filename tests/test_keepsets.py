@@ -232,3 +232,27 @@ def test_generation_reads_the_victims_with_the_token(tokenizer):
     assert [e.token_id for e in events] == tokens
     assert [e.evicted for e in events] == evicted
     assert sum(map(len, evicted)) > 10
+
+
+@pytest.mark.parametrize("options", [(("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),)])
+def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options):
+    """Between refreshes each step picks among a few listed candidates; searching all K every step must
+    give the same victims, step by step, in every (layer, head)."""
+    settings_ = CacheSettings(budget=24, policy="epikv2", options=(("keep", "head"), *options))
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(5))
+
+    def run() -> tuple[list, list]:
+        held, gone = [], []
+        with CacheStream(MODEL, settings_, max_tokens=130) as stream:
+            out = stream.feed(ids)
+            for _ in range(120):
+                out = stream.feed(out.argmax().view(1, 1))
+                held.append(sorted(map(tuple, stream.cache.head_slots.live(stream.cache.stored).sort(dim=-1).values.flatten(0, 1).tolist())))
+                gone.append(stream.session.last.evicted)
+        return held, gone
+
+    listed = run()
+    monkeypatch.setattr(EpiKV2, "shortlisted", False)
+    searched = run()
+    assert listed == searched
+    assert sum(map(len, listed[1])) > 40

@@ -34,7 +34,7 @@ import torch
 
 from ..attention import AttentionNeeds
 from ..errors import UsageError
-from ..keepsets import HeadVictims, gone_positions
+from ..keepsets import HeadVictims, Shortlist, gone_positions
 from ..settings import CacheSettings
 from .base import Policy, Signals
 from .epikv import EpiKV
@@ -114,6 +114,9 @@ class EpiKV2(Policy):
     protects_prompt = False
     uses_recent = False
     staged = True
+    #: granular: pick each step's victims from a short list rebuilt at each refresh (False: search all K
+    #: every step, the reference the list is tested against)
+    shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
         "pool": int, "keep": str, "adapt": int,
@@ -161,7 +164,9 @@ class EpiKV2(Policy):
         self._victims: HeadVictims | None = None  # granular: chosen on the device by stage, named to the host by settle
         self.adapt = bool(adapt)
         self._budget = budget
-        self._recent_by_layer: torch.Tensor | None = None  # adapt: [layers] recent window of each layer, on the device
+        self._recent_by_layer: torch.Tensor | None = None  # [layers] recent window of each layer, on the device
+        self._shortlist: Shortlist | None = None  # granular: the possible victims until the next refresh
+        self._shortlist_until = 0  # the last logical length the list covers
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -219,7 +224,8 @@ class EpiKV2(Policy):
         floor = max(self.sinks, cache.prompt_len if self.keep_prompt else 0)
         if self._recent_by_layer is None:
             self._recent_by_layer = torch.full((slots.layers,), self.recent, dtype=torch.long, device=scores.device)
-        if self._refreshes(signals) and self.signal == "attention":
+        refreshed = self._refreshes(signals)
+        if refreshed and self.signal == "attention":
             parts = []
             for j, (index, layer) in enumerate(zip(cache.budget_layer_indices, cache.budget_layers)):
                 queries = signals.attention.queries[index]
@@ -236,10 +242,24 @@ class EpiKV2(Policy):
             scores[:, :, :stored] = (current * self.decay if self.decay < 1 else current) + received
         over = stored - cache.budget if cache.budget is not None else 0
         self._victims = None
+        if refreshed or over != 1 or not self.shortlisted or seen > self._shortlist_until:
+            self._shortlist = None
         if over <= 0:
             return []
-        candidates = (positions >= floor) & (positions < seen - self._recent_by_layer[:, None, None])
-        victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
+        if self._shortlist is not None:  # between refreshes: the lowest of a few listed candidates
+            victims = self._shortlist.pick(scores[:, :, :stored], seen, self._recent_by_layer)
+        else:  # after a refresh (or several at once): all of them, and a new list for the next steps
+            window_start = seen - self._recent_by_layer[:, None, None]
+            candidates = (positions >= floor) & (positions < window_start)
+            victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
+            if over == 1 and self.shortlisted:
+                self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period)
+                self._shortlist.drop(victims)
+                # it lists the tokens that leave the recent window within `period` steps, if they exist yet
+                shortest_window = self._budget // 2 if self.adapt else self.recent
+                self._shortlist_until = seen + min(self.period, shortest_window)
+        if self._shortlist is not None:
+            self._shortlist.follow(victims, stored - 1)  # the cache moves each head's last entry into its victim's slot
         self._victims = HeadVictims(victims, [])
         return list(slots.release(victims, stored))
 
