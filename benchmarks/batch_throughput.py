@@ -31,8 +31,10 @@ def run_once(args, policy: str, batch: int, out: Path) -> tuple[float, int]:
     """Wall seconds and generated tokens of one whole-process run."""
     command = [
         EPIKV, "generate", "--prompts", args.prompts, "-n", str(args.new_tokens), "--ignore-eos", "--budget", str(args.budget),
-        "--policy", policy, "--batch-size", str(batch), "-o", str(out), "--overwrite", "-q",
+        "--batch-size", str(batch), "-o", str(out), "--overwrite", "-q",
     ]
+    name, *options = policy.split(":")  # a spec such as epikv2:keep=head
+    command += ["--policy", name] + [part for option in options for part in ("--policy-option", option)]
     if args.model:
         command += ["--model", args.model]
     for flag in ("shape", "layers", "dtype"):  # a random model of a known shape (for a GPU run)

@@ -73,7 +73,7 @@ class HeadMoves:
             return
         layers, heads = self.victims.shape
         rows = torch.arange(layers, device=tensor.device)[:, None]
-        tensor[rows, self._heads(heads, tensor.device)[None, :], self.victims] = tensor[:, :, self.last]
+        tensor[rows, self._heads(heads, tensor.device)[None, :], self.victims] = tensor[:, :, self.last].clone()
 
     def apply(self, tensor: torch.Tensor, layer: int) -> None:
         """Apply layer ``layer``'s moves to ``tensor`` ``[heads, slots, ...]`` (a view, moved in place)."""
@@ -82,8 +82,8 @@ class HeadMoves:
             index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand(*order.shape, *tensor.shape[2:])
             tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
             return
-        # a head whose victim is its last slot copies that entry onto itself: no head reads what another writes
-        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last]
+        # (a copy of the last entries: a head whose victim is its last slot writes onto what it reads)
+        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last].clone()
 
 
 class HeadSlots:
