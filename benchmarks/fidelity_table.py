@@ -8,6 +8,7 @@ prompts on which every listed policy ran, so that each column compares like with
     .venv/bin/python benchmarks/fidelity_table.py run-a.jsonl run-b.jsonl            # KL and top-1
     .venv/bin/python benchmarks/fidelity_table.py run.jsonl --metrics kl_all,kept_age
     .venv/bin/python benchmarks/fidelity_table.py run.jsonl --policies streaming,epikv2
+    .venv/bin/python benchmarks/fidelity_table.py run.jsonl --wins streaming     # prompts won, per budget
 
 Several files are concatenated (a run split over processes by --offset); a prompt id found twice
 is an error.
@@ -48,11 +49,7 @@ def table(records: list[dict], policies: list[str], budgets: list[str], metrics:
     cells: dict[tuple[str, str, str], float | None] = {}
     counts = {}
     for budget in budgets:
-        common = []
-        for record in records:
-            by_policy = {r["policy"]: r for r in record["results"] if r["budget"] == budget}
-            if all(p in by_policy and "error" not in by_policy[p] for p in policies):
-                common.append(by_policy)
+        common = common_prompts(records, policies, budget)
         counts[budget] = len(common)
         for policy in policies:
             for metric in metrics:
@@ -72,11 +69,38 @@ def table(records: list[dict], policies: list[str], budgets: list[str], metrics:
     return "\n".join(lines)
 
 
+def common_prompts(records: list[dict], policies: list[str], budget: str) -> list[dict[str, dict]]:
+    """Per prompt on which every one of ``policies`` ran at ``budget``: its results by policy."""
+    common = []
+    for record in records:
+        by_policy = {r["policy"]: r for r in record["results"] if r["budget"] == budget}
+        if all(p in by_policy and "error" not in by_policy[p] for p in policies):
+            common.append(by_policy)
+    return common
+
+
+def wins(records: list[dict], policies: list[str], budgets: list[str], against: str, metric: str = "kl_after_full") -> str:
+    """A markdown table: per policy and budget, on how many prompts it is strictly below ``against`` on
+    ``metric`` (lower is better), out of the prompts both ran; ties count for neither."""
+    lines = ["| policy | " + " | ".join(f"below `{against}` {b}" for b in budgets) + " |", "|---" + "|---:" * len(budgets) + "|"]
+    for policy in policies:
+        if policy == against:
+            continue
+        row = [f"`{policy}`"]
+        for budget in budgets:
+            pairs = [(c[policy].get(metric), c[against].get(metric)) for c in common_prompts(records, [policy, against], budget)]
+            pairs = [(mine, theirs) for mine, theirs in pairs if mine is not None and theirs is not None]
+            row.append(f"{sum(mine < theirs for mine, theirs in pairs)} / {len(pairs)}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--policies", help="comma-separated, in table order (default: as in the first record)")
     parser.add_argument("--metrics", default="kl_after_full,top1_after_full")
+    parser.add_argument("--wins", metavar="POLICY", help="instead: per budget, on how many prompts each policy's KL is below POLICY's")
     args = parser.parse_args(argv)
     records = load(args.files)
     if not records:
@@ -85,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     first = records[0]["results"]
     policies = args.policies.split(",") if args.policies else list(dict.fromkeys(r["policy"] for r in first))
     budgets = list(dict.fromkeys(r["budget"] for r in first))
-    print(table(records, policies, budgets, args.metrics.split(",")))
+    if args.wins and args.wins not in policies:
+        print(f"fidelity_table: --wins {args.wins}: no such policy in the files; give one of {', '.join(policies)}", file=sys.stderr)
+        return 2
+    print(wins(records, policies, budgets, args.wins) if args.wins else table(records, policies, budgets, args.metrics.split(",")))
     return 0
 
 

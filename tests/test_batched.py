@@ -144,3 +144,35 @@ def test_granular_rows_equal_each_prompt_alone(arch, options):
         assert torch.allclose(torch.stack(seen[row]), want_logits, atol=1e-4, rtol=0)
     if arch != "gemma3":  # its one global layer's two heads may agree; the others have 8 keep-sets
         assert len({tuple(sorted(keep.tolist())) for keep in held.flatten(0, 1)}) > 1
+
+
+def test_a_granular_row_whose_prompt_fills_the_budget_exactly_joins_a_batch():
+    """A prompt of exactly K tokens joins mid-way: its first step evicts from keep-sets built by a prefill
+    that evicted nothing, and the rows already decoding are not disturbed."""
+    model = tiny_model("qwen3", seed=3, initializer_range=0.15)
+    settings = CacheSettings(budget=16, policy="epikv2", options=(("recent", "0.25"),))
+    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 20, 16)]
+    steps = 60
+    expected = [alone(model, ids, settings, steps)[0] for ids in prompts]
+    with BatchDecoder(model, [settings]) as decoder:
+        logits = torch.stack([decoder.add(ids, settings, ids.shape[1] + steps) for ids in prompts[:2]])
+        owners, done, step = [0, 1], {0: [], 1: [], 2: []}, {0: 0, 1: 0, 2: 0}
+        while owners:
+            chosen = torch.stack([choose(row, step[owner]) for row, owner in zip(logits, owners)])
+            for row, owner in enumerate(owners):
+                done[owner].append(int(chosen[row]))
+                step[owner] += 1
+            keep = [row for row, owner in enumerate(owners) if len(done[owner]) < steps]
+            if len(keep) < len(owners):
+                decoder.keep(keep)
+                owners, logits, chosen = [owners[row] for row in keep], logits[keep], chosen[keep]
+            if step[0] == 10 and 2 not in owners and not done[2]:  # prompt 2 (16 tokens = K) joins
+                logits = decoder.step(chosen) if owners else logits
+                joined = decoder.add(prompts[2], settings, prompts[2].shape[1] + steps)
+                owners.append(2)
+                logits = torch.cat([logits, joined.unsqueeze(0)])
+                continue
+            if not owners:
+                break
+            logits = decoder.step(chosen)
+    assert [done[0], done[1], done[2]] == expected

@@ -53,7 +53,9 @@ def test_logits_equal_a_masked_full_forward(arch, policy, tokenizer):
     model = tiny_model(arch, seed=5)
     prompt_len = 30
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(11))
-    small_recent = (("recent", "0.25"),) if policy == "epikv2" else ()  # so that its scores decide most evictions
+    # epikv2: a small recent window, so that its scores decide most evictions, and one keep-set for every
+    # layer, which this reference masks (the per-head default is pinned by tests/test_keepsets.py)
+    small_recent = (("recent", "0.25"), ("keep", "global")) if policy == "epikv2" else ()
     settings = CacheSettings(budget=budget_for(policy, prompt_len), policy=policy, options=small_recent)
     new_tokens = NEW + POLICIES[policy].slack  # R-KV compresses only after K + 128 entries
     run = Generation(model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True), keep_logits=True)

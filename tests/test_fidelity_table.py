@@ -41,3 +41,21 @@ def test_a_prompt_given_twice_is_refused(tmp_path):
     a = record("a", [("streaming", "+64", {"kl_after_full": 0.1})])
     with pytest.raises(SystemExit, match="appears twice"):
         fidelity_table.load([write(tmp_path / "one.jsonl", [a]), write(tmp_path / "two.jsonl", [a])])
+
+
+def test_wins_count_prompts_strictly_below_the_reference_among_those_both_ran(tmp_path):
+    a = record("a", [("streaming", "+64", {"kl_after_full": 0.1}), ("epikv2", "+64", {"kl_after_full": 0.05}),
+                     ("h2o", "+64", {"kl_after_full": 0.1})])
+    b = record("b", [("streaming", "+64", {"kl_after_full": 0.2}), ("epikv2", "+64", {"kl_after_full": 0.3}),
+                     ("h2o", "+64", {"error": "budget too small"})])
+    c = record("c", [("streaming", "+64", {"kl_after_full": 0.4}), ("epikv2", "+64", {"kl_after_full": 0.1}),
+                     ("h2o", "+64", {"kl_after_full": 0.3})])
+    text = fidelity_table.wins([a, b, c], ["streaming", "epikv2", "h2o"], ["+64"], "streaming")
+    # epikv2 is below on a and c (not b); h2o ties on a, is below on c, and did not run b
+    assert text.splitlines() == ["| policy | below `streaming` +64 |", "|---|---:|", "| `epikv2` | 2 / 3 |", "| `h2o` | 1 / 2 |"]
+
+
+def test_wins_against_a_policy_not_in_the_files_is_refused(tmp_path, capsys):
+    path = write(tmp_path / "one.jsonl", [record("a", [("streaming", "+64", {"kl_after_full": 0.1})])])
+    assert fidelity_table.main([str(path), "--wins", "h2o"]) == 2
+    assert "no such policy" in capsys.readouterr().err

@@ -90,10 +90,11 @@ def test_received_by_head_by_hand():
 
 
 def test_granular_options_are_checked():
-    for options in ((("keep", "rows"),), (("adapt", "1"),), (("keep", "head"), ("credit", "mean")), (("keep", "head"), ("signal", "epiphany"))):
+    for options in ((("keep", "rows"),), (("keep", "global"), ("adapt", "1")), (("credit", "mean"),), (("keep", "head"), ("signal", "epiphany"))):
         with pytest.raises(UsageError, match="epikv2"):
             make_policy(CacheSettings(budget=64, policy="epikv2", options=options))
-    assert make_policy(CacheSettings(budget=64, policy="epikv2", options=(("keep", "head"),))).granular
+    assert make_policy(CacheSettings(budget=64, policy="epikv2")).keep == "head"  # the default
+    assert not make_policy(CacheSettings(budget=64, policy="epikv2", options=(("keep", "global"), ("signal", "epiphany")))).granular
 
 
 def test_adaptive_window_moves_towards_what_is_attended():
@@ -135,12 +136,17 @@ AttentionInterface.register("epikv_test_masked_per_head", masked_per_head)
 AttentionMaskInterface.register("epikv_test_masked_per_head", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# grouped-query Llama and Qwen 2, and multi-query (one KV head: a layer's only set moves into itself)
+SHAPES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama-mqa": ("llama", {"num_key_value_heads": 1})}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1"))])
-def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(arch, options):
+def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, options):
     """Each step's logits equal one forward over the whole sequence in which every (layer, KV head) hides,
     from the query at position p, what it had evicted before p was fed."""
-    model = tiny_model(arch, seed=5, initializer_range=0.15)  # sharp enough that heads choose differently
+    arch, overrides = SHAPES[shape]
+    model = tiny_model(arch, seed=5, initializer_range=0.15, **overrides)  # sharp enough that heads choose differently
     prompt_len, steps, budget = 30, 60, 20
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(11))
     settings_ = CacheSettings(budget=budget, policy="epikv2", options=(("recent", "0.25"), *options))
@@ -155,8 +161,8 @@ def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(arch, op
                 out = stream.feed(torch.tensor([[tokens[-1]]]))
         layers = stream.cache.budget_layer_indices
     final = [[sorted(keep.tolist()) for keep in layer] for layer in held[-1]]
-    if ("keep", "layer") in options:
-        assert all(layer[0] == layer[1] for layer in final)  # one set per layer, shared by its heads
+    if ("keep", "layer") in options or len(final[0]) == 1:
+        assert all(all(keep == layer[0] for keep in layer) for layer in final)  # one set per layer, shared by its heads
         assert final[0][0] != final[1][0]
     else:
         assert len({tuple(keep) for layer in final for keep in layer}) > 1  # the heads did keep different tokens

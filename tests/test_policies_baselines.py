@@ -119,16 +119,17 @@ def test_received_attention_by_hand():
 
 
 def test_epikv2_keeps_sinks_and_its_recent_share_and_evicts_the_least_attended():
+    """The one keep-set for all layers (keep=global); tests/test_keepsets.py covers the per-head default."""
     from epikv_cli.policies.epikv2 import EpiKV2
 
-    policy = EpiKV2(budget=8, sinks=2, recent=0.25, period=1)  # recent window: 2 tokens
+    policy = EpiKV2(budget=8, sinks=2, recent=0.25, period=1, keep="global")  # recent window: 2 tokens
     # the prompt is not kept; the smallest K holds 2 sinks, round(0.25 K) recent tokens and one more: K = 4
     assert policy.recent == 2 and policy.min_budget(100) == 4
     policy.received.add(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3]))
     cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
     # sinks 0, 1 and the recent 7, 8 are kept; lowest received among 2..6: 5 (0.05), then 3 (0.1)
     assert policy.select(cache, 2) == [5, 3]
-    keeping = EpiKV2(budget=8, sinks=2, recent=2, prompt="keep")
+    keeping = EpiKV2(budget=8, sinks=2, recent=2, prompt="keep", keep="global")
     keeping.received.add(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3]))
     assert keeping.select(fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9, prompt_len=4), 2) == [5, 6]
     assert keeping.min_budget(4) == 2 + 2 + 4 + 1
@@ -139,7 +140,7 @@ def test_epikv2_heap_picks_what_a_full_sort_picks_across_refreshes():
     from epikv_cli.policies.epikv2 import EpiKV2
 
     generator = torch.Generator().manual_seed(3)
-    policy = EpiKV2(budget=12, sinks=2, recent=3, period=4)
+    policy = EpiKV2(budget=12, sinks=2, recent=3, period=4, keep="global")
     live = list(range(13))  # K + 1 entries: one leaves per step
     for seen in range(13, 80):
         if seen % 4 == 0:  # a refresh re-scores every live token (ties included: scores in quarters)
@@ -171,9 +172,9 @@ def test_epikv2_ablation_signals():
     from epikv_cli.policies.epikv2 import EpiKV2
 
     cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
-    recency = EpiKV2(budget=8, sinks=2, recent=2, signal="none")
+    recency = EpiKV2(budget=8, sinks=2, recent=2, signal="none", keep="global")
     assert recency.attention_needs is None and recency.select(cache, 2) == [2, 3]  # no signal: the oldest candidates
-    paper = EpiKV2(budget=8, sinks=2, recent=2, signal="epiphany")
+    paper = EpiKV2(budget=8, sinks=2, recent=2, signal="epiphany", keep="global")
     paper.setup(32)
     assert paper.tap_layers() == [10, 21] and paper.attention_needs is None
     for position, score in {2: 1.0, 3: -2.0, 4: 0.5, 5: 3.0, 6: -1.0}.items():
@@ -187,7 +188,7 @@ def test_epikv2_credit_rules_by_hand():
     cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7, 8], seen=9)
 
     def refreshed(credit):
-        policy = EpiKV2(budget=8, sinks=2, recent=2, period=1, credit=credit)
+        policy = EpiKV2(budget=8, sinks=2, recent=2, period=1, credit=credit, keep="global")
         policy.credit(torch.tensor([2, 3, 4]), torch.tensor([0.3, 0.1, 0.5]))  # positions 2-4 seen twice,
         policy.credit(torch.tensor([2, 3, 4, 5, 6]), torch.tensor([0.3, 0.6, 0.0, 0.4, 0.2]))  # 5 and 6 once
         return policy

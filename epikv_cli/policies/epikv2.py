@@ -7,10 +7,12 @@ without the kernel's weights: each evicting layer keeps its last ``period`` quer
 RoPE), and every ``period`` steps their attention to the cached keys is computed beside the kernel
 (one small matmul per layer) and added to each token's running score, older contributions decayed.
 Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then the highest scores;
-the prompt is scored like everything else. State: one float per token and ``period`` queries per
-layer; the per-step work is one query copy per layer and O(log K) heap operations, and every
-``period`` steps one ``[queries x K]`` product per layer and a heap rebuilt from the new scores
-(amortised O(K / period) per step, the order of one attention row).
+the prompt is scored like everything else. State: ``period`` queries per layer, and one score per
+cached entry: per token with ``keep=global`` (per-step work O(log K) heap operations on the host),
+per (layer, KV head, slot) on the device with ``keep=head`` (per step, one argmin over a short list of
+``2 * period + 1`` candidates per (layer, head) and two indexed copies per layer). Every ``period``
+steps: one ``[queries x K]`` product per layer (amortised O(K / period) per step, the order of one
+attention row).
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
@@ -20,9 +22,11 @@ refreshes add up, ``sum`` (the default), ``mean`` (per refresh the token was sco
 long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
 weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
 ``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
-token stay with it, as in SnapKV and R-KV); ``keep``: ``global`` (one keep-set for every layer, on the
-host), ``layer`` or ``head`` (each evicting layer, or each of its KV heads, keeps its own set, scored by
-its own attention and chosen on the device, see :mod:`epikv_cli.keepsets`).
+token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head of each
+evicting layer keeps its own set, scored by its own attention and chosen on the device, see
+:mod:`epikv_cli.keepsets`), ``layer`` (one set per layer) or ``global`` (one set for every layer, on the
+host; ``signal=epiphany``, ``credit`` and ``pool`` need it); ``adapt=1`` (``layer``/``head`` only) lets
+each layer move its recent window within [K/2, K - sinks].
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class EpiKV2(Policy):
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
-        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "global",
+        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
         adapt: int = 0,
     ) -> None:
         if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
