@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -93,6 +94,24 @@ class QueryRing:
         self.valid.append(count)
 
 
+class RowQueries(Mapping):
+    """Layer -> one batch row's queries ``[heads, w, head_dim]``, oldest first, gathered from the rings
+    when read (a policy reads them only at its refreshes; read them before the next forward writes)."""
+
+    def __init__(self, rings: dict[int, QueryRing], row: int, last: int | None = None) -> None:
+        self.rings, self.row, self.last = rings, row, last  # last: only the newest `last` queries
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        queries = self.rings[layer].ordered(self.row)
+        return queries[:, -self.last :] if self.last else queries
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rings)
+
+    def __len__(self) -> int:
+        return len(self.rings)
+
+
 @dataclass
 class AttentionRecord:
     """Per evicting layer, what the latest forward's attention showed, for every sequence of the batch.
@@ -127,7 +146,7 @@ class AttentionRecord:
         return AttentionRecord(
             {layer: v[index, offset:end] for layer, v in self.received.items()},
             {layer: v[index, offset:end] for layer, v in self.last_row.items()},
-            {layer: ring.ordered(index) for layer, ring in self.queries.items()},
+            RowQueries(self.queries, index),
             self.scaling,
         )
 

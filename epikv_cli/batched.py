@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionNeeds, AttentionTaps
+from .attention import AttentionNeeds, AttentionTaps, RowQueries
 from .engine import CacheStream, input_device
 from .policies import make_policy
 from .policies.base import Signals
@@ -200,7 +200,7 @@ class BatchDecoder:
             hidden = {layer: states[index : index + 1, offset:] for layer, states in self.taps.outputs.items()}
             attention = record.row(index, row.full.stored, offset) if record is not None else None
             if attention is not None and row.queries_needed:
-                attention.queries = {layer: q[:, -row.queries_needed :] for layer, q in attention.queries.items()}
+                attention.queries = RowQueries(record.queries, index, row.queries_needed)
             signals = Signals(appended[index], offsets is not None, hidden, attention, RowView(self.cache, index))
             if row.policy.staged:
                 self._pending.append((signals, row.policy.stage(signals)))

@@ -26,7 +26,7 @@ from transformers.cache_utils import (
 )
 
 from .errors import UsageError
-from .keepsets import HeadSlots, HeadVictims
+from .keepsets import HeadSlots, HeadVictims, mutable_zeros
 
 _GROWTH = 2
 #: Slots allocated beyond the first forward's tokens (then doubling, up to the layer's limit).
@@ -62,7 +62,8 @@ class SlotTable:
     """
 
     def __init__(self, capacity: int) -> None:
-        self.positions = torch.zeros(capacity, dtype=torch.long)
+        # the map grows during the forward (in inference mode) and is updated after it
+        self.positions = mutable_zeros((capacity,), torch.long, torch.device("cpu"))
         self.stored = 0
         self.free: int | None = None
         self.seen = 0
@@ -91,7 +92,7 @@ class SlotTable:
         closed = self._close_free()
         needed = self.stored + count
         if needed > self.positions.numel():
-            grown = torch.zeros(max(needed, self.positions.numel() * _GROWTH), dtype=torch.long)
+            grown = mutable_zeros((max(needed, self.positions.numel() * _GROWTH),), torch.long, torch.device("cpu"))
             grown[: self.stored] = self.positions[: self.stored]
             self.positions = grown
         self.positions[self.stored : needed] = torch.arange(self.seen, self.seen + count)

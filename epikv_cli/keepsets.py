@@ -100,8 +100,8 @@ class HeadSlots:
 
     def __init__(self, layers: int, heads: int, device: torch.device | str) -> None:
         self.layers, self.heads, self.device = layers, heads, torch.device(device)
-        self.positions = _zeros((layers, heads, HEADROOM), torch.long, self.device)
-        self.holders = _zeros((HEADROOM,), torch.int32, self.device)
+        self.positions = mutable_zeros((layers, heads, HEADROOM), torch.long, self.device)
+        self.holders = mutable_zeros((HEADROOM,), torch.int32, self.device)
         self.companions: list[torch.Tensor] = []
 
     @property
@@ -119,7 +119,7 @@ class HeadSlots:
     def companion(self, dtype: torch.dtype = torch.float32) -> int:
         """Register a zero ``[layers, heads, capacity]`` tensor that follows every move; return its index
         (read it back as ``companions[index]``: growing replaces the tensor)."""
-        self.companions.append(_zeros((self.layers, self.heads, self.capacity), dtype, self.device))
+        self.companions.append(mutable_zeros((self.layers, self.heads, self.capacity), dtype, self.device))
         return len(self.companions) - 1
 
     def append(self, start: int, count: int, first: int) -> None:
@@ -226,7 +226,7 @@ class Shortlist:
         self.slots = torch.where(self.slots == last, victims, self.slots)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def mutable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor that may be updated in place inside and outside inference mode (the cache is written
     during the model's forward, the policy updates it after)."""
     with torch.inference_mode(False):
@@ -235,7 +235,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
     """``tensor`` with its last dimension zero-padded to ``size``."""
-    grown = _zeros((*tensor.shape[:-1], size), tensor.dtype, tensor.device)
+    grown = mutable_zeros((*tensor.shape[:-1], size), tensor.dtype, tensor.device)
     grown[..., : tensor.shape[-1]] = tensor
     return grown
 

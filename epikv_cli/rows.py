@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from .cache import BudgetCache, BudgetLayer, SlotTable
 from .errors import UsageError
-from .keepsets import HeadSlots, HeadVictims
+from .keepsets import HeadMoves, HeadSlots, HeadVictims
 from .policies import Policy
 from .settings import CacheSettings
 
@@ -246,9 +246,11 @@ class RowsCache(Cache):
         with torch.inference_mode():  # the buffers were written under the forward's inference mode
             for group, pairs in plans.items():
                 rows, holes, movers = [], [], []
+                granular = [(row_index, slots) for row_index, slots in pairs if isinstance(slots, HeadVictims)]
+                if granular:
+                    self._evict_heads(granular)
                 for row_index, slots in pairs:
                     if isinstance(slots, HeadVictims):
-                        self._evict_heads(row_index, slots)
                         continue
                     hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
                     if hole and group == FULL:
@@ -259,16 +261,41 @@ class RowsCache(Cache):
                 if holes:
                     self._move(group, rows, holes, movers)
 
-    def _evict_heads(self, index: int, victims: HeadVictims) -> None:
-        """Row ``index``'s granular policy drops its own victims in every (layer, KV head)."""
-        row = self.rows[index]
-        stored, count = row.full.stored, len(victims)
-        moves = row.heads.plan(victims.slots, stored)
+    def _evict_heads(self, granular: list[tuple[int, HeadVictims]]) -> None:
+        """Each granular row drops its own victims in every (layer, KV head). Rows with one victim per
+        (layer, head), the steady state, move together: one indexed copy per layer and buffer for all of
+        them, not one per row."""
+        together: list[tuple[int, HeadMoves]] = []
+        for index, victims in granular:
+            row = self.rows[index]
+            stored, count = row.full.stored, len(victims)
+            moves = row.heads.plan(victims.slots, stored)
+            if moves.order is None:
+                together.append((index, moves))
+            else:
+                for j, layer_index in enumerate(self.full_layer_indices):
+                    layer = self.layers[layer_index]
+                    moves.apply(layer.keys[index], j)
+                    moves.apply(layer.values[index], j)
+            row.full.plan_eviction(list(range(stored - count, stored)))
+        if together:
+            self._move_heads(together)
+
+    def _move_heads(self, together: list[tuple[int, HeadMoves]]) -> None:
+        """Move, in every full layer, each listed row's last entry into its victim slot of every KV head."""
+        device = self.layers[self.full_layer_indices[0]].keys.device
+        victims = torch.stack([moves.victims for _, moves in together]).to(device)  # [n, layers, heads]
+        n, _, heads = victims.shape
+        # one small host-to-device copy: which rows, and the last live slot of each
+        rows_and_lasts = torch.tensor([[index, moves.last] for index, moves in together], device=device)
+        rows = rows_and_lasts[:, :1].expand(n, heads)
+        lasts = rows_and_lasts[:, 1:].expand(n, heads)
+        head_index = torch.arange(heads, device=device).expand(n, heads)
         for j, layer_index in enumerate(self.full_layer_indices):
             layer = self.layers[layer_index]
-            moves.apply(layer.keys[index], j)
-            moves.apply(layer.values[index], j)
-        row.full.plan_eviction(list(range(stored - count, stored)))
+            # advanced indexing reads a copy, so a victim that is its row's last slot is written safely
+            layer.keys[rows, head_index, victims[:, j]] = layer.keys[rows, head_index, lasts]
+            layer.values[rows, head_index, victims[:, j]] = layer.values[rows, head_index, lasts]
 
     def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""

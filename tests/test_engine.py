@@ -96,3 +96,19 @@ def test_tiny_temperature_gives_the_greedy_tokens(tokenizer):
     _, greedy = run(tokenizer, max_new_tokens=12)
     _, tiny = run(tokenizer, max_new_tokens=12, temperature=3.7e-181, seed=1)
     assert tiny.token_ids == greedy.token_ids
+
+
+def test_a_prompt_longer_than_the_slot_headroom_and_the_budget_is_cut_at_the_prefill(tokenizer):
+    """The slot map grows during the prefill's forward (inference mode) and is cut right after it: a
+    300-token prompt (more than the 256 slots a cache starts with) under a 64-token budget."""
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
+    for policy in ("streaming", "epikv2", "h2o"):
+        run = Generation(MODEL, tokenizer, ids, CacheSettings(budget=64, policy=policy), SamplingSettings(max_new_tokens=3, ignore_eos=True))
+        events = list(run)
+        assert [event.stored for event in events] == [64, 64, 64], policy
+        evicted = [position for event in events for position in event.evicted]
+        assert len(evicted) == len(set(evicted)), policy
+        if policy != "epikv2":  # (whose KV heads keep different tokens: it names only those no head holds)
+            assert len(evicted) == 302 - 64, policy  # positions 0-301 were fed (the last token is not)
+        if policy == "streaming":  # the 4 sinks and the newest 60 stay
+            assert sorted(evicted) == list(range(4, 242))

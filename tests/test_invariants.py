@@ -123,7 +123,9 @@ def test_every_policy_keeps_its_budget_and_its_promises(tokenizer, policy, promp
     cls = POLICIES[policy]
     probe = make_policy(CacheSettings(budget=64, policy=policy))
     budget = (probe.min_budget(prompt_len) if cls.protects_prompt else probe.min_budget(0)) + extra
-    settings_ = CacheSettings(budget=budget, policy=policy, seed=new_tokens)
+    # epikv2 with one keep-set (stored = seen - evicted); its per-head sets are checked in tests/test_keepsets.py
+    options = (("keep", "global"),) if policy == "epikv2" else ()
+    settings_ = CacheSettings(budget=budget, policy=policy, seed=new_tokens, options=options)
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     run = Generation(MODEL, tokenizer, ids, settings_, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))
     policy_ = make_policy(settings_)  # the same rule the run follows
