@@ -20,8 +20,10 @@ import gc
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from epikv_cli.cache import BudgetCache
 from epikv_cli.policies import make_policy, parse_policy_spec
@@ -69,7 +71,7 @@ def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwq-32b")
+    parser.add_argument("--shape", default="qwq-32b", help="a known shape, or a config.json or model directory")
     parser.add_argument("--budgets", default="1024,8192,32768")
     parser.add_argument("--policies", default="streaming,epikv,lagkv")
     parser.add_argument("--steps", type=int, default=100, help="timed steps per round")
@@ -79,7 +81,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = shape_config(args.shape)
+    # a known shape, or a model's config.json / directory (e.g. the demo model's)
+    config = AutoConfig.from_pretrained(args.shape) if Path(args.shape).exists() else shape_config(args.shape)
     budgets = [int(b) for b in args.budgets.split(",")]
     policies = args.policies.split(",")
     dtype = getattr(torch, args.dtype)
