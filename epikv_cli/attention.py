@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn

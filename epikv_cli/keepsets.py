@@ -214,7 +214,7 @@ class Shortlist:
         eligible = self.alive & (self.positions < seen - recent[:, None, None])
         keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill(~eligible, _LAST)
         chosen = keys.argmin(dim=-1, keepdim=True)
-        self.alive = self.alive.scatter(-1, chosen, False)  # out of place: a list built in inference mode stays valid outside it
+        self.alive = self.alive.scatter(-1, chosen, False)  # out of place: the list may be built inside inference mode
         return torch.gather(self.slots, -1, chosen)
 
     def drop(self, victims: torch.Tensor) -> None:
