@@ -214,12 +214,12 @@ class Shortlist:
         eligible = self.alive & (self.positions < seen - recent[:, None, None])
         keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill(~eligible, _LAST)
         chosen = keys.argmin(dim=-1, keepdim=True)
-        self.alive = self.alive.scatter(-1, chosen, False)  # out of place: the list may be built inside inference mode
+        self.alive.scatter_(-1, chosen, False)
         return torch.gather(self.slots, -1, chosen)
 
     def drop(self, victims: torch.Tensor) -> None:
         """``victims`` ``[layers, heads, 1]`` (chosen elsewhere) leave the list."""
-        self.alive = self.alive & (self.slots != victims)
+        self.alive &= self.slots != victims
 
     def follow(self, victims: torch.Tensor, last: int) -> None:
         """The entry in slot ``last`` moved into each (layer, head)'s victim slot ``[layers, heads, 1]``."""
