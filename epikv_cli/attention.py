@@ -70,7 +70,7 @@ class QueryRing:
             self.head, self.valid = 0, [self.width] * batch
             return
         for index in range(count):
-            self.buffer[:, :, self.head] = query[:, :, index]
+            self.buffer.select(2, self.head).copy_(query.select(2, index))
             self.head = (self.head + 1) % self.width
         self.valid = [min(v + count, self.width) for v in self.valid]
 
@@ -247,7 +247,10 @@ class AttentionTaps:
         needs = self.needs
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if needs.queries:
-            self.record.queries.setdefault(layer, QueryRing(needs.queries)).write(query)
+            ring = self.record.queries.get(layer)
+            if ring is None:
+                ring = self.record.queries[layer] = QueryRing(needs.queries)
+            ring.write(query)
             self.record.scaling[layer] = scaling
         if not needs.weights:
             return

@@ -173,6 +173,8 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = 0
         self.length = 0  # live slots in this layer (equals the table's stored between forwards)
         self.seen = 0
+        # (arange(kv_heads) * capacity on the device, capacity): where each head's slots start in the flattened buffers
+        self._head_rows: tuple[torch.Tensor, int] | None = None
 
     def _capped(self, slots: int) -> int:
         return slots if self.limit is None else min(slots, self.limit)
@@ -200,13 +202,24 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = capacity
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None,
+        head_slots: torch.Tensor | None = None, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv_heads, q, head_dim]`` new states where ``plan`` says (default: after the used
-        slots); return the ``[1, kv_heads, used, head_dim]`` views, every used slot live."""
+        slots), or one token into each KV head's own slot ``head_slots`` ``[kv_heads]`` (a granular keep-set's
+        vacancies); return the ``[1, kv_heads, used, head_dim]`` views, every used slot live."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
+        if head_slots is not None:
+            if self._head_rows is None or self._head_rows[1] != self.capacity:
+                self._head_rows = (torch.arange(key_states.shape[1], device=self.keys.device) * self.capacity, self.capacity)
+            rows = self._head_rows[0] + head_slots  # [kv_heads]: each head's slot as a row of the flattened buffer
+            self.keys.view(-1, self.keys.shape[-1]).index_put_((rows,), key_states.reshape(-1, key_states.shape[-1]))
+            self.values.view(-1, self.values.shape[-1]).index_put_((rows,), value_states.reshape(-1, value_states.shape[-1]))
+            self.length = max(self.length, plan.start + 1)
+            self.seen += 1
+            return self.keys[:, :, : self.length], self.values[:, :, : self.length]
         if plan is not None and plan.close is not None:
             self.move_one(*plan.close, self.length - 1)
         start = self.length if plan is None else plan.start
@@ -333,12 +346,15 @@ class BudgetCache(Cache):
         self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
         self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
         self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
+        self._head_writes: tuple[torch.Tensor, ...] | None = None  # granular, one token: each layer's [kv_heads] write slots
+        self._budget_order = {index: j for j, index in enumerate(self.budget_layer_indices)}
 
     def reset(self) -> None:
         """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
         super().reset()
         self.table = SlotTable(HEADROOM)
         self.head_slots = None
+        self._head_writes = None
         self.evicted_total = 0
         self.peak_stored = 0
         if self.on_reset is not None:
@@ -348,13 +364,18 @@ class BudgetCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
             count = key_states.shape[-2]
+            if self.granular and count != 1:
+                self.close_vacant_heads()
             self._plan = self.table.append(count)
             if self.granular:
                 if self.head_slots is None:
                     self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
-                self.head_slots.append(self._plan.start, count, self.table.seen - count)
+                writes = self.head_slots.append(self._plan.start, count, self.table.seen - count)
+                self._head_writes = writes.unbind(0) if writes is not None else None
         if isinstance(self.layers[layer_idx], BudgetLayer):
             kwargs["plan"] = self._plan
+            if self._head_writes is not None:
+                kwargs["head_slots"] = self._head_writes[self._budget_order[layer_idx]]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -427,16 +448,34 @@ class BudgetCache(Cache):
         count, stored = len(victims), self.table.stored
         if not count:
             return []
-        with torch.inference_mode():
-            moves = self.head_slots.plan(victims.slots, stored)
-            for index, layer in enumerate(self.budget_layers):
-                moves.apply(layer.keys[0], index)
-                moves.apply(layer.values[0], index)
+        if count == 1 and self.table.free is None:  # the steady state: each head's victim slot waits for the next token
+            self.head_slots.vacate(victims.slots[..., 0])
+        else:
+            self.close_vacant_heads()
+            stored = self.table.stored
+            with torch.inference_mode():
+                self._apply_head_moves(self.head_slots.plan(victims.slots, stored))
         self.table.plan_eviction(list(range(stored - count, stored)))  # the counts; a single one leaves the last slot free
         for layer in self.budget_layers:
             layer.length = self.table.used
         self.evicted_total += count
         return victims.gone
+
+    def close_vacant_heads(self) -> None:
+        """Fill the slots a granular keep-set left vacant with each head's last used entry (before anything but a
+        single token is appended, or before the entries are read in slot order elsewhere)."""
+        if self.head_slots is None or self.head_slots.vacant is None:
+            return
+        vacant = self.head_slots.vacant
+        with torch.inference_mode():
+            self._apply_head_moves(self.head_slots.close_vacant(self.table.stored))
+        if self.policy is not None:
+            self.policy.follow_head_moves(vacant[..., None], self.table.stored)
+
+    def _apply_head_moves(self, moves) -> None:
+        for index, layer in enumerate(self.budget_layers):
+            moves.apply(layer.keys[0], index)
+            moves.apply(layer.values[0], index)
 
     def _move(self, holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` in every evicting layer, and in the policy's slot-indexed state."""

@@ -3,11 +3,16 @@
 The budget cache's slot table gives every evicting layer one shared keep-set. A granular policy keeps
 a different set of tokens in every layer and KV head (as SnapKV, PyramidKV and kvpress's presses do),
 which measured closer to the full cache than one global set. :class:`HeadSlots` holds, for one
-sequence, which logical position each slot of every (layer, KV head) holds. Entries stay compact:
-slots ``0 .. stored - 1`` are live in every (layer, head), so the attention kernels, masks and the
-next token's write slot are exactly those of the shared slot table. When one entry per (layer, head)
-leaves, each head's last entry moves into its victim's slot (one indexed copy per tensor and layer,
-device indices only: no host round-trip); several at once (a prompt over the budget) are gathered.
+sequence, which logical position each slot of every (layer, KV head) holds. Every (layer, head) uses
+the same slots ``0 .. used - 1`` as the shared slot table, so the attention kernels and masks are exactly
+those of the shared table; only which token a slot holds differs from head to head.
+
+In a single sequence's steady state (one victim per (layer, head) per step) nothing moves: each head's
+victim slot is left vacant and the next token's key and value are written into it, head by head
+(:attr:`HeadSlots.vacant`, :meth:`HeadSlots.append`). Otherwise entries are kept compact: when one entry
+per (layer, head) leaves a row of a batch (or a vacancy must be closed before several tokens come), each
+head's last entry moves into its victim's slot (one indexed copy per tensor and layer, device indices
+only: no host round-trip); several at once (a prompt over the budget) are gathered to the front.
 
 Every (layer, head) evicts the same number of entries, so counts stay shared. A token has fully left
 the cache when no (layer, head) holds it any more: :attr:`HeadSlots.holders` counts, per logical
@@ -59,6 +64,7 @@ class HeadMoves:
     last: int = 0
     order: torch.Tensor | None = None
     _head_index: dict = field(default_factory=dict, repr=False)
+    _rows: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # victims per layer
 
     def _heads(self, heads: int, device: torch.device) -> torch.Tensor:
         """``arange(heads)`` on ``device``, made once per device for all the layers and buffers."""
@@ -82,8 +88,10 @@ class HeadMoves:
             index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand(*order.shape, *tensor.shape[2:])
             tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
             return
+        if self._rows is None:
+            self._rows = self.victims.unbind(0)  # one op for every layer, not one per layer and buffer
         # (a copy of the last entries: a head whose victim is its last slot writes onto what it reads)
-        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last].clone()
+        tensor[self._heads(tensor.shape[0], tensor.device), self._rows[layer].to(tensor.device)] = tensor[:, self.last].clone()
 
 
 class HeadSlots:
@@ -103,6 +111,9 @@ class HeadSlots:
         self.positions = mutable_zeros((layers, heads, HEADROOM), torch.long, self.device)
         self.holders = mutable_zeros((HEADROOM,), torch.int32, self.device)
         self.companions: list[torch.Tensor] = []
+        #: ``[layers, heads]`` the slot each (layer, head) left vacant at the last single eviction, which its
+        #: next token fills (None: compact, slots ``0 .. stored - 1`` all live)
+        self.vacant: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -122,13 +133,46 @@ class HeadSlots:
         self.companions.append(mutable_zeros((self.layers, self.heads, self.capacity), dtype, self.device))
         return len(self.companions) - 1
 
-    def append(self, start: int, count: int, first: int) -> None:
-        """Slots ``start .. start + count - 1`` of every (layer, head) now hold positions ``first ..``."""
+    def append(self, start: int, count: int, first: int) -> torch.Tensor | None:
+        """Slots ``start .. start + count - 1`` of every (layer, head) now hold positions ``first ..``; or, for
+        one token while slots are vacant, each (layer, head)'s vacant slot does: then return those slots
+        ``[layers, heads]`` (where the layers write it), else None. Vacancies must be closed before ``count > 1``."""
         self._grow(start + count, first + count)
-        self.positions[:, :, start : start + count] = torch.arange(first, first + count, device=self.device)
         self.holders[first : first + count] = self.layers * self.heads
+        if self.vacant is not None:
+            if count != 1:
+                raise RuntimeError("close the vacant slots (HeadSlots.close_vacant) before appending several tokens")
+            slots, self.vacant = self.vacant, None
+            for tensor in [self.positions, *self.companions]:
+                tensor.scatter_(-1, slots[..., None], first if tensor is self.positions else 0)
+            return slots
+        self.positions[:, :, start : start + count] = torch.arange(first, first + count, device=self.device)
         for tensor in self.companions:
             tensor[:, :, start : start + count] = 0
+        return None
+
+    def vacate(self, victims: torch.Tensor) -> None:
+        """One victim per (layer, head), ``[layers, heads]``, leaves its slot vacant for the next token (no move)."""
+        if self.vacant is not None:
+            raise RuntimeError("a second vacancy per (layer, head) before a token filled the first")
+        self.vacant = victims
+
+    def close_vacant(self, stored: int) -> HeadMoves | None:
+        """Close the vacant slots (``stored`` live entries besides them) by moving each head's last used entry,
+        slot ``stored``, into its vacant slot; return the moves for the key and value buffers (None: none vacant)."""
+        if self.vacant is None:
+            return None
+        victims, self.vacant = self.vacant, None
+        return self.plan(victims[..., None], stored + 1)
+
+    def held(self, stored: int) -> torch.Tensor:
+        """``[layers, heads, stored]`` positions each (layer, head) holds, vacancies left out (a copy when some are
+        vacant: the order is then that of the slots after closing them)."""
+        if self.vacant is None:
+            return self.live(stored)
+        used = self.positions[:, :, : stored + 1].clone()
+        used.scatter_(-1, self.vacant[..., None], used[:, :, stored:])
+        return used[:, :, :stored]
 
     def live(self, stored: int) -> torch.Tensor:
         """``[layers, heads, stored]`` positions of the live slots (a view)."""
@@ -170,7 +214,7 @@ class HeadSlots:
 
     def kept_age(self, stored: int, seen: int, prompt_len: int) -> float | None:
         """Mean age (``seen`` minus position) of the generated tokens held, over every (layer, head)."""
-        positions = self.live(stored)
+        positions = self.held(stored)
         generated = positions[positions >= prompt_len]
         return float((seen - generated).float().mean()) if generated.numel() else None
 

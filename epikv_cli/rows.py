@@ -145,6 +145,7 @@ class RowsCache(Cache):
 
     def adopt(self, source: BudgetCache, settings: CacheSettings, policy: Policy, queries_needed: int = 0) -> int:
         """Add a row from a prefilled single-sequence cache (its entries, positions and policy); return its index."""
+        source.close_vacant_heads()  # rows move entries at once: no slot may wait for a next token
         tables: dict[str, SlotTable] = {}
         for index, (group, layer) in enumerate(zip(self.groups, self.layers)):
             origin = source.layers[index]
@@ -272,6 +273,7 @@ class RowsCache(Cache):
             moves = row.heads.plan(victims.slots, stored)
             if moves.order is None:
                 together.append((index, moves))
+                row.policy.follow_head_moves(victims.slots, moves.last)
             else:
                 for j, layer_index in enumerate(self.full_layer_indices):
                     layer = self.layers[layer_index]

@@ -67,6 +67,45 @@ def test_several_victims_are_gathered_in_slot_order():
     assert keys[:, :3, 0].tolist() == [[1, 2, 4], [5, 7, 8]]
 
 
+def test_a_single_victim_per_head_leaves_its_slot_to_the_next_token():
+    slots = slots_holding([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    scores = slots.companions[slots.companion()]
+    scores[:, :, :4] = 1.0
+    slots.vacate(torch.tensor([[1, 3]]))
+    assert slots.held(3).tolist() == [[[0, 3, 2], [0, 1, 2]]]  # what it holds, as if the vacancies were closed
+    assert slots.append(4, 1, 4).tolist() == [[1, 3]]  # position 4 goes where each head's victim was
+    assert slots.vacant is None
+    assert slots.live(4).tolist() == [[[0, 4, 2, 3], [0, 1, 2, 4]]]
+    assert scores[:, :, :4].tolist() == [[[1, 0, 1, 1], [1, 1, 1, 0]]]  # the newcomer starts unscored
+    slots.vacate(torch.tensor([[0, 2]]))
+    with pytest.raises(RuntimeError, match="close the vacant"):
+        slots.append(4, 2, 5)
+    keys = torch.arange(8, dtype=torch.float32).view(2, 4, 1)
+    slots.close_vacant(3).apply(keys, 0)  # each head's last used slot (3) fills its vacancy
+    assert slots.live(3).tolist() == [[[3, 4, 2], [0, 1, 4]]]
+    assert keys[:, :3, 0].tolist() == [[3, 1, 2], [4, 5, 7]]
+    assert slots.close_vacant(3) is None
+
+
+def test_steady_state_steps_move_no_entry():
+    """Once the cache is full, a step writes the new token's key into each head's victim slot and touches no
+    other slot of the buffers."""
+    settings_ = CacheSettings(budget=20, policy="epikv2", options=(("keep", "head"), ("recent", "0.25")))
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    with CacheStream(MODEL, settings_, max_tokens=60) as stream:
+        out = stream.feed(ids)  # 30 tokens into 20: the prefill gathers what each head keeps
+        out = stream.feed(out.argmax().view(1, 1))  # the first step leaves each head's victim slot vacant
+        layer = stream.cache.budget_layers[0]
+        changed_slots = []
+        for _ in range(20):
+            before, vacant = layer.keys[0].clone(), stream.cache.head_slots.vacant.clone()
+            out = stream.feed(out.argmax().view(1, 1))
+            changed = (layer.keys[0] != before).any(dim=-1)  # [kv_heads, slots]
+            assert torch.equal(changed.nonzero()[:, 1].view(-1), vacant[0])  # one slot per head: its vacancy
+            changed_slots.append(vacant[0].tolist())
+    assert len({tuple(slots) for slots in changed_slots}) > 1
+
+
 def test_a_token_is_gone_only_when_no_layer_or_head_holds_it():
     slots = slots_holding([[[0, 1, 2], [0, 1, 2]], [[0, 1, 2], [0, 1, 2]]])
     first, gone = slots.release(torch.tensor([[[1], [1]], [[1], [2]]]), 3)
@@ -155,7 +194,7 @@ def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, o
         out = stream.feed(ids)
         for step in range(steps):
             logits.append(out)
-            held.append(stream.cache.head_slots.live(stream.cache.stored).clone())
+            held.append(stream.cache.head_slots.held(stream.cache.stored).clone())
             tokens.append(int(out.argmax()))
             if step < steps - 1:
                 out = stream.feed(torch.tensor([[tokens[-1]]]))
@@ -213,7 +252,7 @@ def test_granular_budget_invariants(prompt_len, extra, new_tokens, adapt, keep):
             assert not evicted & gone, "a position was evicted twice"
             gone |= evicted
             cache = stream.cache
-            held = [set(keep.tolist()) for keep in cache.head_slots.live(cache.stored).flatten(0, 1)]
+            held = [set(keep.tolist()) for keep in cache.head_slots.held(cache.stored).flatten(0, 1)]
             assert all(len(keep) == min(cache.seen, budget) for keep in held)
             protected = set(range(min(4, cache.seen))) | set(range(max(0, cache.seen - smallest_window), cache.seen))
             assert protected <= set.intersection(*held)
@@ -253,7 +292,7 @@ def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options)
             out = stream.feed(ids)
             for _ in range(120):
                 out = stream.feed(out.argmax().view(1, 1))
-                held.append(sorted(map(tuple, stream.cache.head_slots.live(stream.cache.stored).sort(dim=-1).values.flatten(0, 1).tolist())))
+                held.append(sorted(map(tuple, stream.cache.head_slots.held(stream.cache.stored).sort(dim=-1).values.flatten(0, 1).tolist())))
                 gone.append(stream.session.last.evicted)
         return held, gone
 

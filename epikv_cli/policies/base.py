@@ -143,6 +143,10 @@ class Policy(ABC):
     def follow_moves(self, holes: list[int], movers: list[int]) -> None:
         """The cache moved slot ``movers[i]`` into ``holes[i]``: slot-indexed state must follow (default: none kept)."""
 
+    def follow_head_moves(self, victims: torch.Tensor, last: int) -> None:
+        """Granular: the cache moved each (layer, KV head)'s entry in slot ``last`` into its slot ``victims``
+        ``[layers, heads, 1]`` (state in :class:`~epikv_cli.keepsets.HeadSlots` companions follows by itself)."""
+
     def recent_for(self, budget: int) -> int:
         """R under a budget of ``budget`` tokens (the default window grows with K)."""
         return self.default_recent(budget) if self.recent_follows_budget else self.recent

@@ -10,9 +10,9 @@ Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then th
 the prompt is scored like everything else. State: ``period`` queries per layer, and one score per
 cached entry: per token with ``keep=global`` (per-step work O(log K) heap operations on the host),
 per (layer, KV head, slot) on the device with ``keep=head`` (per step, one argmin over a short list of
-``2 * period + 1`` candidates per (layer, head) and two indexed copies per layer). Every ``period``
-steps: one ``[queries x K]`` product per layer (amortised O(K / period) per step, the order of one
-attention row).
+``2 * period + 1`` candidates per (layer, head); the next token is written into each head's victim
+slot, so nothing moves). Every ``period`` steps: one ``[queries x K]`` product per layer (amortised
+O(K / period) per step, the order of one attention row).
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
@@ -61,16 +61,9 @@ def received_attention(
         values: ``[kv_heads, n, dim]``: when given, each weight is multiplied by the L2 norm of the value it
             reads, i.e. what the token actually adds to the attention output.
     """
-    heads, w, dim = queries.shape
-    kv_heads, n = keys.shape[0], keys.shape[1]
-    logits = torch.matmul(queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2))
-    logits = logits.view(heads, w, n) * (scaling if scaling is not None else dim**-0.5)
-    visible = key_positions.to(keys.device)[None, :] <= query_positions.to(keys.device)[:, None]  # [w, n]
-    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
-    if values is not None:
-        norms = values.float().norm(dim=-1)  # [kv_heads, n]
-        weights = (weights.view(kv_heads, heads // kv_heads, w, n) * norms[:, None, None, :]).view(heads, w, n)
-    return weights.sum(dim=1).mean(dim=0)
+    shared = key_positions.expand(keys.shape[0], keys.shape[1])
+    # every KV head serves the same number of query heads: the mean over heads is the mean of the groups' means
+    return received_by_head(queries, keys, query_positions, shared, scaling, values).mean(dim=0)
 
 
 def received_by_head(
@@ -88,10 +81,12 @@ def received_by_head(
     """
     heads, w, dim = queries.shape
     kv_heads, n = keys.shape[0], keys.shape[1]
-    grouped = queries.float().view(kv_heads, heads // kv_heads, w, dim)
-    logits = torch.matmul(grouped, keys.float().unsqueeze(1).transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
-    visible = key_positions.to(keys.device)[:, None, None, :] <= query_positions.to(keys.device)[None, None, :, None]
-    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)  # [kv_heads, group, w, n]
+    group = heads // kv_heads
+    # one batched product per KV head over all its query heads' rows (a broadcast matmul is several times slower)
+    logits = torch.bmm(queries.float().reshape(kv_heads, group * w, dim), keys.float().transpose(-1, -2))
+    logits = logits.view(kv_heads, group, w, n).mul_(scaling if scaling is not None else dim**-0.5)
+    hidden = key_positions.to(keys.device)[:, None, None, :] > query_positions.to(keys.device)[None, None, :, None]
+    weights = torch.softmax(logits.masked_fill_(hidden, -math.inf), dim=-1)  # [kv_heads, group, w, n]
     if values is not None:
         weights = weights * values.float().norm(dim=-1)[:, None, None, :]
     return weights.sum(dim=2).mean(dim=1)
@@ -231,19 +226,25 @@ class EpiKV2(Policy):
         refreshed = self._refreshes(signals)
         if refreshed and self.signal == "attention":
             parts = []
+            query_positions: dict[int, torch.Tensor] = {}  # by how many queries are stored (the same in every layer)
             for j, (index, layer) in enumerate(zip(cache.budget_layer_indices, cache.budget_layers)):
                 queries = signals.attention.queries[index]
                 keys, values = layer.live()
+                width = queries.shape[1]
+                if width not in query_positions:
+                    query_positions[width] = torch.arange(seen - width, seen, device=keys.device)
                 part = received_by_head(
-                    queries, keys[0], torch.arange(seen - queries.shape[1], seen), positions[j],
+                    queries, keys[0], query_positions[width], positions[j],
                     scaling=signals.attention.scaling.get(index), values=values[0] if self.value_weighted else None,
                 ).to(scores.device)
                 parts.append(part.mean(dim=0, keepdim=True).expand_as(part) if self.keep == "layer" else part)
             received = torch.stack(parts)  # [layers, kv_heads, stored]
             if self.adapt:
                 self._adapt_recent(received, positions, floor, seen)
-            current = scores[:, :, :stored]
-            scores[:, :, :stored] = (current * self.decay if self.decay < 1 else current) + received
+            current = scores[:, :, :stored]  # a view: updated in place
+            if self.decay < 1:
+                current.mul_(self.decay)
+            current.add_(received)
         over = stored - cache.budget if cache.budget is not None else 0
         self._victims = None
         if refreshed or over != 1 or not self.shortlisted or seen > self._shortlist_until:
@@ -262,10 +263,13 @@ class EpiKV2(Policy):
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
                 shortest_window = self._budget // 2 if self.adapt else self.recent
                 self._shortlist_until = seen + min(self.period, shortest_window)
-        if self._shortlist is not None:
-            self._shortlist.follow(victims, stored - 1)  # the cache moves each head's last entry into its victim's slot
         self._victims = HeadVictims(victims, [])
         return list(slots.release(victims, stored))
+
+    def follow_head_moves(self, victims: torch.Tensor, last: int) -> None:
+        """The listed slots follow the cache's moves (a single sequence's cache moves nothing in the steady state)."""
+        if self._shortlist is not None:
+            self._shortlist.follow(victims, last)
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
         """adapt=1: move each layer's recent window by K/16 towards whichever use of its heavy slots this
