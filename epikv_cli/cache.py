@@ -173,8 +173,7 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = 0
         self.length = 0  # live slots in this layer (equals the table's stored between forwards)
         self.seen = 0
-        # (arange(kv_heads) * capacity on the device, capacity): where each head's slots start in the flattened buffers
-        self._head_rows: tuple[torch.Tensor, int] | None = None
+        self._head_rows: torch.Tensor | None = None  # [kv_heads] where each head's slots start in the flattened buffers
 
     def _capped(self, slots: int) -> int:
         return slots if self.limit is None else min(slots, self.limit)
@@ -188,6 +187,7 @@ class BudgetLayer(CacheLayerMixin):
         self.device = key_states.device
         heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
         self.capacity = self._capped(key_states.shape[-2] + HEADROOM)
+        self._head_rows = None
         self.keys = key_states.new_zeros((1, heads, self.capacity, k_dim))
         self.values = value_states.new_zeros((1, heads, self.capacity, v_dim))
         self.is_initialized = True
@@ -200,6 +200,7 @@ class BudgetLayer(CacheLayerMixin):
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = capacity
+        self._head_rows = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None,
@@ -212,9 +213,9 @@ class BudgetLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
         if head_slots is not None:
-            if self._head_rows is None or self._head_rows[1] != self.capacity:
-                self._head_rows = (torch.arange(key_states.shape[1], device=self.keys.device) * self.capacity, self.capacity)
-            rows = self._head_rows[0] + head_slots  # [kv_heads]: each head's slot as a row of the flattened buffer
+            if self._head_rows is None:
+                self._head_rows = torch.arange(key_states.shape[1], device=self.keys.device) * self.capacity
+            rows = self._head_rows + head_slots  # [kv_heads]: each head's slot as a row of the flattened buffer
             self.keys.view(-1, self.keys.shape[-1]).index_put_((rows,), key_states.reshape(-1, key_states.shape[-1]))
             self.values.view(-1, self.values.shape[-1]).index_put_((rows,), value_states.reshape(-1, value_states.shape[-1]))
             self.length = max(self.length, plan.start + 1)
@@ -448,11 +449,9 @@ class BudgetCache(Cache):
         count, stored = len(victims), self.table.stored
         if not count:
             return []
-        if count == 1 and self.table.free is None:  # the steady state: each head's victim slot waits for the next token
+        if count == 1:  # the steady state: each head's victim slot waits for the next token
             self.head_slots.vacate(victims.slots[..., 0])
-        else:
-            self.close_vacant_heads()
-            stored = self.table.stored
+        else:  # (a forward's append always fills or closes the vacancies, so none is open here)
             with torch.inference_mode():
                 self._apply_head_moves(self.head_slots.plan(victims.slots, stored))
         self.table.plan_eviction(list(range(stored - count, stored)))  # the counts; a single one leaves the last slot free

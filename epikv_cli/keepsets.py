@@ -64,7 +64,6 @@ class HeadMoves:
     last: int = 0
     order: torch.Tensor | None = None
     _head_index: dict = field(default_factory=dict, repr=False)
-    _rows: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # victims per layer
 
     def _heads(self, heads: int, device: torch.device) -> torch.Tensor:
         """``arange(heads)`` on ``device``, made once per device for all the layers and buffers."""
@@ -88,10 +87,8 @@ class HeadMoves:
             index = order.view(*order.shape, *([1] * (tensor.dim() - 2))).expand(*order.shape, *tensor.shape[2:])
             tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
             return
-        if self._rows is None:
-            self._rows = self.victims.unbind(0)  # one op for every layer, not one per layer and buffer
         # (a copy of the last entries: a head whose victim is its last slot writes onto what it reads)
-        tensor[self._heads(tensor.shape[0], tensor.device), self._rows[layer].to(tensor.device)] = tensor[:, self.last].clone()
+        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last].clone()
 
 
 class HeadSlots:
@@ -143,8 +140,9 @@ class HeadSlots:
             if count != 1:
                 raise RuntimeError("close the vacant slots (HeadSlots.close_vacant) before appending several tokens")
             slots, self.vacant = self.vacant, None
-            for tensor in [self.positions, *self.companions]:
-                tensor.scatter_(-1, slots[..., None], first if tensor is self.positions else 0)
+            self.positions.scatter_(-1, slots[..., None], first)
+            for tensor in self.companions:
+                tensor.scatter_(-1, slots[..., None], 0)
             return slots
         self.positions[:, :, start : start + count] = torch.arange(first, first + count, device=self.device)
         for tensor in self.companions:
