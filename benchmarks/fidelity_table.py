@@ -95,6 +95,16 @@ def wins(records: list[dict], policies: list[str], budgets: list[str], against: 
     return "\n".join(lines)
 
 
+def repetition(records: list[dict]) -> str | None:
+    """A line on how repetitive the references were (``reference_repeats`` of each prompt line), or None
+    when the files predate that field."""
+    shares = [r["reference_repeats"] for r in records if r.get("reference_repeats") is not None]
+    if not shares:
+        return None
+    return (f"Reference tokens closing an 8-gram seen earlier (copy loops near 1): mean {statistics.fmean(shares):.3f}, "
+            f"median {statistics.median(shares):.3f}, from {min(shares):.3f} to {max(shares):.3f} over {len(shares)} prompts.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
@@ -112,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.wins and args.wins not in policies:
         print(f"fidelity_table: --wins {args.wins}: no such policy in the files; give one of {', '.join(policies)}", file=sys.stderr)
         return 2
-    print(wins(records, policies, budgets, args.wins) if args.wins else table(records, policies, budgets, args.metrics.split(",")))
+    if args.wins:
+        print(wins(records, policies, budgets, args.wins))
+        return 0
+    print(table(records, policies, budgets, args.metrics.split(",")))
+    if (line := repetition(records)) is not None:
+        print("\n" + line)
     return 0
 
 

@@ -110,6 +110,29 @@ class Config:
         return CacheSettings(budget=None if name == "full" else self.budget.resolve(prompt_len), policy=name, options=options)
 
 
+#: n-gram length of :func:`repeated_ngram_share`
+REPEAT_NGRAM = 8
+
+
+def repeated_ngram_share(prompt: list[int], generated: list[int], n: int = REPEAT_NGRAM) -> float | None:
+    """Share of the generated tokens that close an ``n``-gram seen earlier in prompt + generation.
+
+    Near 1 the reference is a copy loop (it repeats itself or the prompt), and fidelity then measures
+    how well a policy keeps the loop going; a reasoning text is far lower. ``None`` when nothing is generated.
+    """
+    if not generated:
+        return None
+    sequence = prompt + generated
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for end in range(n, len(sequence) + 1):
+        gram = tuple(sequence[end - n : end])
+        if end > len(prompt) and gram in seen:
+            repeated += 1
+        seen.add(gram)
+    return repeated / len(generated)
+
+
 def kept_age(cache, prompt_len: int) -> float | None:
     """Mean age (logical length minus position) of the generated tokens still cached (over every layer and
     KV head for a granular policy)."""
@@ -228,7 +251,10 @@ def run_fidelity(
                 ids = protocol_ids(loaded.tokenizer, problem)
                 progress.update(task, status=f"prompt {problem.id} ({ids.shape[1]} tokens)")
                 tokens, results = replay(loaded.model, ids, configs, new_tokens, lambda: progress.advance(task))
-                record = {"id": problem.id, "line": problem.line, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens, "results": results}
+                record = {
+                    "id": problem.id, "line": problem.line, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens,
+                    "reference_repeats": repeated_ngram_share(ids[0].tolist(), tokens), "results": results,
+                }
                 records.append(record)
                 if writer is not None:
                     writer.write(record)

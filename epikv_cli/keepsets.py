@@ -34,9 +34,9 @@ _LAST = torch.iinfo(torch.long).max
 def order_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """int64 keys that sort like ``(score, position)``: one ``argmin`` or ``topk`` finds the lowest score
     and, among equal scores, the older token. ``scores`` are float32 (any sign), ``positions`` < 2**32."""
-    bits = scores.float().view(torch.int32).long()
-    monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)  # float order as integers
-    return monotone * 2**32 + positions
+    bits = scores.float().view(torch.int32)
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int32: a negative float's magnitude bits flip
+    return monotone.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(positions)  # positions fill the low 32 bits
 
 
 @dataclass
@@ -183,7 +183,7 @@ class HeadSlots:
         Args:
             scores: ``[layers, heads, stored]``; candidates: ``[layers, heads, stored]`` bool.
         """
-        keys = order_keys(scores, self.live(stored)).masked_fill(~candidates, _LAST)
+        keys = order_keys(scores, self.live(stored)).masked_fill_(~candidates, _LAST)
         if count == 1:
             return keys.argmin(dim=-1, keepdim=True)
         return torch.topk(keys, count, dim=-1, largest=False, sorted=True).indices
@@ -243,7 +243,7 @@ class Shortlist:
         layer starting at ``window_start`` ``[layers, 1, 1]`` (its oldest tokens are the next candidates)."""
         positions = slots.live(stored)
         # this step's victim and up to `period` picks come from the lowest current candidates
-        low = torch.topk(order_keys(scores, positions).masked_fill(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
+        low = torch.topk(order_keys(scores, positions).masked_fill_(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
         upcoming = (positions >= window_start) & (positions < window_start + period) & (positions >= floor)
         soon = torch.topk(positions.masked_fill(~upcoming, _LAST), min(period, stored), dim=-1, largest=False)
         listed = torch.cat([low.indices, soon.indices], dim=-1)
@@ -254,14 +254,10 @@ class Shortlist:
         """``[layers, heads, 1]``: each (layer, head)'s lowest listed candidate (``scores`` ``[layers, heads,
         slots]``; a token is a candidate once it is older than its layer's ``recent`` ``[layers]`` window)."""
         eligible = self.alive & (self.positions < seen - recent[:, None, None])
-        keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill(~eligible, _LAST)
+        keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill_(~eligible, _LAST)
         chosen = keys.argmin(dim=-1, keepdim=True)
         self.alive.scatter_(-1, chosen, False)
         return torch.gather(self.slots, -1, chosen)
-
-    def drop(self, victims: torch.Tensor) -> None:
-        """``victims`` ``[layers, heads, 1]`` (chosen elsewhere) leave the list."""
-        self.alive &= self.slots != victims
 
     def follow(self, victims: torch.Tensor, last: int) -> None:
         """The entry in slot ``last`` moved into each (layer, head)'s victim slot ``[layers, heads, 1]``."""

@@ -5,7 +5,7 @@ Each policy runs in the set-up it needs: attention-based eviction the way the Ep
 hidden-state taps; ``POLICY@KERNEL`` overrides. Lengths are found by doubling, then bisection. Every
 probe runs in a worker process whose allocations are capped at the limit (CUDA: the allocator's
 memory fraction; CPU: the address space), so running out of memory fails that probe and never the
-parent; a worker that dies anyway is replaced.
+parent; a worker that dies anyway, or whose probe failed, is replaced.
 """
 
 from __future__ import annotations
@@ -112,12 +112,19 @@ class ProbeWorker:
             self.process.wait()
             self.process = None
             return ProbeResult(length, False, error="the probe process died")
-        return ProbeResult(**json.loads(line))
+        result = ProbeResult(**json.loads(line))
+        if not result.ok:
+            # A failed prefill leaves the worker's heap high (the allocator keeps what it freed), so the
+            # next, shorter probe would start above its own baseline and fail too: the next probe gets a
+            # fresh process.
+            self.close()
+        return result
 
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.stdin.close()
             self.process.wait(timeout=60)
+        self.process = None
 
 
 def search(probe, start: int = START_TOKENS, ceiling: int = MAX_TOKENS) -> tuple[int, list[ProbeResult]]:

@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from epikv_cli.cli import app
 from epikv_cli.engine import CacheStream
 from epikv_cli.errors import UsageError
-from epikv_cli.fidelity import BudgetSpec, Config, replay
-from epikv_cli.problems import load_problems
+from epikv_cli.fidelity import BudgetSpec, Config, repeated_ngram_share, replay
+from epikv_cli.problems import load_problems, protocol_ids
 from epikv_cli.settings import CacheSettings
 
 from conftest import tiny_model
@@ -113,6 +114,11 @@ def test_cli_json_resume_and_output(tiny_model_dir, tmp_path):
     assert set(data["results"][0]) >= {"kl_after_full", "kl_all", "top1_after_full", "top1_all", "perplexity", "kept_age"}
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["id"] for line in lines] == [1, 2]
+    # each line says how repetitive its reference is: recomputed from the same greedy reference
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = protocol_ids(AutoTokenizer.from_pretrained(tiny_model_dir), load_problems(path, limit=1)[0])
+    reference, _ = replay(model, ids, [], 24)
+    assert lines[0]["reference_repeats"] == pytest.approx(repeated_ngram_share(ids[0].tolist(), reference))
     second = runner.invoke(app, [*args, "--resume"])
     assert second.exit_code == 0, second.stderr
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2, 3]
@@ -147,3 +153,15 @@ def test_the_full_cache_runs_once_whatever_the_budgets():
     assert configs[0].settings(30).budget is None
     with pytest.raises(UsageError, match="twice"):
         check_configs("epikv,epikv", "+64")
+
+
+def test_repeated_ngram_share_counts_generated_tokens_closing_an_earlier_ngram():
+    # n = 2 over prompt [1, 2] + generated [1, 2, 3, 1, 2]: the bigrams ending at generated tokens are
+    # (2,1) new, (1,2) seen in the prompt, (2,3) new, (3,1) new, (1,2) seen: 2 of 5
+    assert repeated_ngram_share([1, 2], [1, 2, 3, 1, 2], n=2) == pytest.approx(2 / 5)
+    # a bigram straddling the prompt's end counts: prompt [5, 6, 5], generated [6] closes (5, 6)
+    assert repeated_ngram_share([5, 6, 5], [6], n=2) == 1.0
+    assert repeated_ngram_share([1, 2, 3], [4, 5, 6], n=2) == 0.0
+    assert repeated_ngram_share([1, 2], [], n=2) is None
+    # a generated run shorter than n that repeats nothing longer than itself is not a repeat
+    assert repeated_ngram_share([7], [7, 7], n=3) == 0.0

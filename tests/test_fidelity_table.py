@@ -59,3 +59,11 @@ def test_wins_against_a_policy_not_in_the_files_is_refused(tmp_path, capsys):
     path = write(tmp_path / "one.jsonl", [record("a", [("streaming", "+64", {"kl_after_full": 0.1})])])
     assert fidelity_table.main([str(path), "--wins", "h2o"]) == 2
     assert "no such policy" in capsys.readouterr().err
+
+
+def test_the_references_repetition_is_summarised_when_recorded(tmp_path):
+    rows = [("streaming", "+64", {"kl_after_full": 0.1})]
+    records = [{**record(name, rows), "reference_repeats": share} for name, share in (("a", 0.2), ("b", 0.9), ("c", 0.4))]
+    line = fidelity_table.repetition(records)
+    assert line.endswith("mean 0.500, median 0.400, from 0.200 to 0.900 over 3 prompts.")
+    assert fidelity_table.repetition([record("a", rows)]) is None  # files written before the field existed

@@ -15,7 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from epikv_cli.engine import CacheStream, Generation
 from epikv_cli.errors import UsageError
-from epikv_cli.keepsets import HeadSlots, gone_positions
+from epikv_cli.keepsets import HeadSlots, gone_positions, order_keys
 from epikv_cli.policies import make_policy
 from epikv_cli.policies.epikv2 import EpiKV2, received_by_head
 from epikv_cli.settings import CacheSettings, SamplingSettings
@@ -301,3 +301,15 @@ def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options)
     searched = run()
     assert listed == searched
     assert sum(map(len, listed[1])) > 40
+
+
+def test_order_keys_sort_like_score_then_position():
+    """One integer per slot whose order is (score, position): negative, zero, tiny and huge scores, and ties
+    broken by the older position, against Python's tuple sort."""
+    generator = torch.Generator().manual_seed(11)
+    scores = torch.cat([torch.randn(40, generator=generator) * 1e3, torch.tensor([0.0, 0.0, 1e-40, -1e-40, 3.5, 3.5, -2.0, -2.0,
+                        float("inf"), -float("inf"), 1e30, -1e30])])
+    positions = torch.randperm(scores.numel(), generator=generator) * 1000 + 7
+    keys = order_keys(scores, positions)
+    expected = sorted(range(scores.numel()), key=lambda i: (float(scores[i]), int(positions[i])))
+    assert torch.argsort(keys).tolist() == expected

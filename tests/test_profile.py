@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from typer.testing import CliRunner
 
 from epikv_cli import profile as profile_module
 from epikv_cli.cli import app
-from epikv_cli.maxcontext import ProbeResult, parse_memory, search
+from epikv_cli.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
 from epikv_cli.profile import PolicyRun, ProfileSettings, flatness
+from epikv_cli.settings import ModelSettings
 from epikv_cli.shapes import SHAPES, cut_layers, shape_config
 
 runner = CliRunner()
@@ -167,6 +169,26 @@ def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
     assert 512 <= rows["h2o"]["max_prompt_tokens"] < 4096 and not rows["h2o"]["reached_model_limit"]
     assert rows["epikv"]["ratio"] == pytest.approx(8192 / rows["h2o"]["max_prompt_tokens"], abs=1e-3)
     assert all(p["ok"] == (p["peak_memory_bytes"] <= 700 * 2**20 and p["error"] is None) for p in rows["h2o"]["probes"])
+
+
+def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
+    """What a failed prefill leaves in the worker's heap must not count against the next probe."""
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=272, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    settings = ModelSettings(model=str(tmp_path))
+    worker = ProbeWorker({"model": asdict(settings), "policy": "h2o", "kernel": "eager", "limit": 700 * 2**20})
+    try:
+        worker.start()
+        first = worker.process.pid
+        assert worker.probe(512).ok and worker.process.pid == first  # a success keeps the process
+        assert not worker.probe(4096).ok and worker.process is None  # eager weights of 4096^2 do not fit
+        again = worker.probe(512)
+        assert again.ok and worker.process.pid != first
+    finally:
+        worker.close()
 
 
 def test_policy_run_labels():

@@ -256,13 +256,15 @@ class EpiKV2(Policy):
         else:  # after a refresh (or several at once): all of them, and a new list for the next steps
             window_start = seen - self._recent_by_layer[:, None, None]
             candidates = (positions >= floor) & (positions < window_start)
-            victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
             if over == 1 and self.shortlisted:
                 self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period)
-                self._shortlist.drop(victims)
+                # the list holds the lowest candidates, so its first pick is the full search's victim
+                victims = self._shortlist.pick(scores[:, :, :stored], seen, self._recent_by_layer)
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
                 shortest_window = self._budget // 2 if self.adapt else self.recent
                 self._shortlist_until = seen + min(self.period, shortest_window)
+            else:
+                victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
         self._victims = HeadVictims(victims, [])
         return list(slots.release(victims, stored))
 
