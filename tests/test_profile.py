@@ -154,13 +154,18 @@ def test_search_doubles_then_bisects_to_the_resolution():
     assert search(lambda n: ProbeResult(n, n <= 100), start=512, ceiling=4096)[0] in range(64, 101)
 
 
-def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
-    """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights."""
+def save_probe_model(path, tokenizer) -> None:
+    """A 4-layer Llama with an 8192-token context, saved with its tokenizer, for real max-context probes."""
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=272, max_position_embeddings=8192)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
+    """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights."""
+    save_probe_model(tmp_path, tokenizer)
     result = invoke("--model", str(tmp_path), "--max-context", "--memory-limit", "700MiB", "--json", "-q")
     assert result.exit_code == 0, result.stderr
     rows = {r["policy"]: r for r in json.loads(result.stdout)["results"]}
@@ -173,11 +178,7 @@ def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
 
 def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
     """What a failed prefill leaves in the worker's heap must not count against the next probe."""
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=272, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    save_probe_model(tmp_path, tokenizer)
     settings = ModelSettings(model=str(tmp_path))
     worker = ProbeWorker({"model": asdict(settings), "policy": "h2o", "kernel": "eager", "limit": 700 * 2**20})
     try:
