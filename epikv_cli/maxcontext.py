@@ -5,7 +5,10 @@ Each policy runs in the set-up it needs: attention-based eviction the way the Ep
 hidden-state taps; ``POLICY@KERNEL`` overrides. Lengths are found by doubling, then bisection. Every
 probe runs in a worker process whose allocations are capped at the limit (CUDA: the allocator's
 memory fraction; CPU: the address space), so running out of memory fails that probe and never the
-parent; a worker that dies anyway, or whose probe failed, is replaced.
+parent. On a CPU every probe gets a fresh worker: the heap a prefill leaves behind (freed, but kept
+by the C allocator) would otherwise count against the next, longer probe, and the answer would
+depend on the order of the probes. On CUDA the allocator's peak is per probe and the cache is
+emptied between probes, so one worker serves the search, replaced only when it dies or a probe fails.
 """
 
 from __future__ import annotations
@@ -73,10 +76,16 @@ class MaxContext:
 
 
 class ProbeWorker:
-    """A child process that loads the model once and prefills prompts of the lengths it is sent."""
+    """A child process that loads the model and prefills prompts of the lengths it is sent.
 
-    def __init__(self, setup: dict) -> None:
+    Args:
+        setup: what the child loads (model settings, policy, kernel, limit).
+        reuse: keep the process for the next probe after a success (CUDA); else each probe starts one.
+    """
+
+    def __init__(self, setup: dict, reuse: bool = False) -> None:
         self.setup = setup
+        self.reuse = reuse
         self.process: subprocess.Popen | None = None
         self.attn: str | None = None  # the kernel the worker's model loaded with
         self.max_positions = MAX_TOKENS  # the model's own context length, the search's ceiling
@@ -113,10 +122,9 @@ class ProbeWorker:
             self.process = None
             return ProbeResult(length, False, error="the probe process died")
         result = ProbeResult(**json.loads(line))
-        if not result.ok:
-            # A failed prefill leaves the worker's heap high (the allocator keeps what it freed), so the
-            # next, shorter probe would start above its own baseline and fail too: the next probe gets a
-            # fresh process.
+        if not (result.ok and self.reuse):
+            # A prefill leaves the worker's heap high (the allocator keeps what it freed), so the next
+            # probe would start above its own baseline: it gets a fresh process.
             self.close()
         return result
 
@@ -253,7 +261,7 @@ def run_max_context(model_settings, runs, limit: int, progress=lambda text: None
     for run in runs:
         kernel = default_kernel(run.policy, run.kernel)
         setup = {"model": asdict(model_settings), "policy": run.policy, "kernel": kernel, "limit": limit}
-        worker = ProbeWorker(setup)
+        worker = ProbeWorker(setup, reuse=cuda)
 
         def probe(length: int, worker=worker, run=run) -> ProbeResult:
             progress(f"{run.label}: prefill {length} tokens")
