@@ -176,12 +176,17 @@ def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
     assert all(p["ok"] == (p["peak_memory_bytes"] <= 700 * 2**20 and p["error"] is None) for p in rows["h2o"]["probes"])
 
 
+def probe_worker(path, tokenizer, policy: str, kernel: str | None, reuse: bool) -> ProbeWorker:
+    """A (not yet started) probe worker on the saved probe model, capped at 700 MiB."""
+    save_probe_model(path, tokenizer)
+    setup = {"model": asdict(ModelSettings(model=str(path))), "policy": policy, "kernel": kernel, "limit": 700 * 2**20}
+    return ProbeWorker(setup, reuse=reuse)
+
+
 def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
     """What a failed prefill leaves in the worker's heap must not count against the next probe (a reused,
     CUDA, worker)."""
-    save_probe_model(tmp_path, tokenizer)
-    settings = ModelSettings(model=str(tmp_path))
-    worker = ProbeWorker({"model": asdict(settings), "policy": "h2o", "kernel": "eager", "limit": 700 * 2**20}, reuse=True)
+    worker = probe_worker(tmp_path, tokenizer, "h2o", "eager", reuse=True)
     try:
         worker.start()
         first = worker.process.pid
@@ -196,9 +201,7 @@ def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
 def test_every_cpu_probe_gets_a_fresh_worker(tmp_path, tokenizer):
     """On a CPU a successful prefill's leftover heap would count against the next probe too (measured:
     a 16384-token prefill peaked at 2.6 GiB in a fresh process, 3.1 GiB after five shorter probes)."""
-    save_probe_model(tmp_path, tokenizer)
-    settings = ModelSettings(model=str(tmp_path))
-    worker = ProbeWorker({"model": asdict(settings), "policy": "epikv", "kernel": None, "limit": 700 * 2**20})
+    worker = probe_worker(tmp_path, tokenizer, "epikv", None, reuse=False)
     pids = []
     start = worker.start
 
