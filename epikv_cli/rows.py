@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from .cache import BudgetCache, BudgetLayer, SlotTable
 from .errors import UsageError
-from .keepsets import HeadMoves, HeadSlots, HeadVictims
+from .keepsets import HeadSlots, HeadVictims
 from .policies import Policy
 from .settings import CacheSettings
 
@@ -62,6 +62,7 @@ class RowsLayer(CacheLayerMixin):
         self.owner = owner
         self.is_sliding = group == SLIDING
         self.keys = self.values = None
+        self.head_order: int | None = None  # a full layer's index among the full layers (its row of HeadSlots)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
         raise RuntimeError("rows join a RowsCache through RowsCache.adopt")
@@ -82,10 +83,12 @@ class RowsLayer(CacheLayerMixin):
             return self.keys[:, :, :count], self.values[:, :, :count]
         if key_states.shape[-2] != 1:
             raise UsageError("batched decoding feeds one token per row and step; prompts join through adopt()")
-        slots, length = self.owner.step_slots[self.group], self.owner.step_lengths[self.group]
-        rows = torch.arange(key_states.shape[0], device=self.keys.device)
-        self.keys[rows, :, slots] = key_states[:, :, 0]
-        self.values[rows, :, slots] = value_states[:, :, 0]
+        length = self.owner.step_lengths[self.group]
+        flat = self.owner.write_rows(self)
+        dim = key_states.shape[-1]
+        # one indexed write per buffer: row b's KV head h goes to row (b * kv_heads + h) * capacity + slot
+        self.keys.view(-1, dim).index_put_((flat,), key_states[:, :, 0].reshape(-1, dim))
+        self.values.view(-1, self.values.shape[-1]).index_put_((flat,), value_states[:, :, 0].reshape(-1, value_states.shape[-1]))
         return self.keys[:, :, :length], self.values[:, :, :length]
 
     def get_seq_length(self) -> int:
@@ -116,8 +119,17 @@ class RowsCache(Cache):
         self.window = next((kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None)
         super().__init__(layers=[RowsLayer(group, self) for group in groups])
         self.full_layer_indices = [i for i, group in enumerate(groups) if group == FULL]
+        for order, index in enumerate(self.full_layer_indices):
+            self.layers[index].head_order = order
         self.rows: list[Row] = []
-        self.step_slots: dict[str, torch.Tensor] = {}
+        #: per group, ``[B * kv_heads]``: where each row's KV heads write this step's token, as rows of the
+        #: group's ``[B * kv_heads * capacity, head_dim]`` flattened buffers (every layer of a group has the
+        #: same capacity), and that capacity
+        self.step_rows: dict[str, torch.Tensor] = {}
+        self.step_capacity: dict[str, int] = {}
+        #: ``[full layers, B * kv_heads]``: the same for each full layer, when some granular row's KV heads each
+        #: write into their own vacant slot (None: every full layer writes at ``step_rows[FULL]``)
+        self.step_head_rows: torch.Tensor | None = None
         self.step_lengths: dict[str, int] = {}
         self.prefilling = False
         self.prefill_length = 0  # the padded prompt length of the batched prefill
@@ -223,13 +235,41 @@ class RowsCache(Cache):
                     extra = grown - layer.keys.shape[2]
                     layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
                     layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
-            self.step_slots[group] = to_device(slots, device)
             self.step_lengths[group] = length
+            self._plan_writes(group, to_device(slots, device))
             visible = torch.arange(length)[None, :] < used_after[:, None]
             mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
             masks[group] = to_device(mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min), device)
         positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
         return to_device(torch.tensor(positions).unsqueeze(1), device), masks
+
+    def _plan_writes(self, group: str, slots: torch.Tensor) -> None:
+        """Where each row writes this step's token in every layer of ``group``: row ``b``'s slot ``slots[b]``
+        ``[B]`` for every KV head, except that a granular row's heads with vacant slots (left by last step's
+        victims) write there, each its own."""
+        template = next(layer.keys for layer in self.layers if layer.group == group)
+        batch, heads, capacity = template.shape[:3]
+        first_rows = torch.arange(batch * heads, device=template.device).view(batch, heads) * capacity
+        grid = slots.to(template.device)[:, None].expand(batch, heads)
+        self.step_rows[group] = (grid + first_rows).view(-1)
+        self.step_capacity[group] = capacity
+        if group != FULL:
+            return
+        self.step_head_rows = None
+        vacant = [(index, row.heads.vacant) for index, row in enumerate(self.rows) if row.heads is not None and row.heads.vacant is not None]
+        if vacant:
+            per_head = grid[None].expand(len(self.full_layer_indices), batch, heads).clone()
+            for index, vacancies in vacant:
+                per_head[:, index] = vacancies
+            self.step_head_rows = (per_head + first_rows).view(len(self.full_layer_indices), batch * heads)
+
+    def write_rows(self, layer: RowsLayer) -> torch.Tensor:
+        """``[B * kv_heads]``: the flattened-buffer rows ``layer`` writes this step's tokens to."""
+        if layer.keys.shape[2] != self.step_capacity[layer.group]:
+            raise RuntimeError(f"the {layer.group} layers of a RowsCache must share one capacity")
+        if layer.head_order is not None and self.step_head_rows is not None:
+            return self.step_head_rows[layer.head_order].to(layer.keys.device)
+        return self.step_rows[layer.group].to(layer.keys.device)
 
     def end_step(self) -> None:
         """Record the entries the step appended (one per row and group, where :meth:`begin_step` put them)."""
@@ -263,41 +303,22 @@ class RowsCache(Cache):
                     self._move(group, rows, holes, movers)
 
     def _evict_heads(self, granular: list[tuple[int, HeadVictims]]) -> None:
-        """Each granular row drops its own victims in every (layer, KV head). Rows with one victim per
-        (layer, head), the steady state, move together: one indexed copy per layer and buffer for all of
-        them, not one per row."""
-        together: list[tuple[int, HeadMoves]] = []
+        """Each granular row drops its own victims in every (layer, KV head). One victim per (layer, head), the
+        steady state, leaves its slot vacant for the row's next token (nothing moves, as in a single
+        sequence's cache); several (a prompt over the budget) are closed by gathering each head's kept
+        entries to the front."""
         for index, victims in granular:
             row = self.rows[index]
             stored, count = row.full.stored, len(victims)
-            moves = row.heads.plan(victims.slots, stored)
-            if moves.order is None:
-                together.append((index, moves))
-                row.policy.follow_head_moves(victims.slots, moves.last)
+            if count == 1:
+                row.heads.vacate(victims.slots[..., 0])
             else:
+                moves = row.heads.plan(victims.slots, stored)
                 for j, layer_index in enumerate(self.full_layer_indices):
                     layer = self.layers[layer_index]
                     moves.apply(layer.keys[index], j)
                     moves.apply(layer.values[index], j)
-            row.full.plan_eviction(list(range(stored - count, stored)))
-        if together:
-            self._move_heads(together)
-
-    def _move_heads(self, together: list[tuple[int, HeadMoves]]) -> None:
-        """Move, in every full layer, each listed row's last entry into its victim slot of every KV head."""
-        device = self.layers[self.full_layer_indices[0]].keys.device
-        victims = torch.stack([moves.victims for _, moves in together]).to(device)  # [n, layers, heads]
-        n, _, heads = victims.shape
-        # one small host-to-device copy: which rows, and the last live slot of each
-        rows_and_lasts = torch.tensor([[index, moves.last] for index, moves in together], device=device)
-        rows = rows_and_lasts[:, :1].expand(n, heads)
-        lasts = rows_and_lasts[:, 1:].expand(n, heads)
-        head_index = torch.arange(heads, device=device).expand(n, heads)
-        for j, layer_index in enumerate(self.full_layer_indices):
-            layer = self.layers[layer_index]
-            # advanced indexing reads a copy, so a victim that is its row's last slot is written safely
-            layer.keys[rows, head_index, victims[:, j]] = layer.keys[rows, head_index, lasts]
-            layer.values[rows, head_index, victims[:, j]] = layer.values[rows, head_index, lasts]
+            row.full.plan_eviction(list(range(stored - count, stored)))  # the counts; one leaves the last slot free
 
     def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""
