@@ -96,9 +96,10 @@ _epikv() {
             --new-tokens) COMPREPLY=(); return ;;
             --repeats) COMPREPLY=(); return ;;
             --prompt-file) COMPREPLY=(); return ;;
+            --batch-size) COMPREPLY=(); return ;;
             --memory-limit) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --batch-size --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
     *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }

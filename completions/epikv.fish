@@ -107,6 +107,7 @@ complete -c epikv -n '__fish_seen_subcommand_from profile' -l prompt-tokens -x -
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l new-tokens -x -d 'Tokens generated per run (EOS ignored, at least 8).'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l repeats -x -d 'Measured runs per policy, interleaved, after one warm-up round.'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l prompt-file -x -d 'Text to build the prompt from instead of the bundled passage.'
+complete -c epikv -n '__fish_seen_subcommand_from profile' -l batch-size -x -d 'Decode this many copies of the prompt together (tok/s then counts every row).'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l max-context -d 'Find the longest prompt each policy\'s set-up prefills within --memory-limit.'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l memory-limit -x -d 'Memory for --max-context, e.g. 16GiB (no more than is available).'
 complete -c epikv -n '__fish_seen_subcommand_from profile' -l json -d 'Print one JSON object instead of the table.'

@@ -362,6 +362,9 @@ def profile(
     new_tokens: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Tokens generated per run (EOS ignored, at least 8).")] = 512,
     repeats: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Measured runs per policy, interleaved, after one warm-up round.")] = 3,
     prompt_file: Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=CACHE, help="Text to build the prompt from instead of the bundled passage.")] = None,
+    batch_size: Annotated[
+        int, typer.Option(rich_help_panel=CACHE, help="Decode this many copies of the prompt together (tok/s then counts every row).")
+    ] = 1,
     max_context: Annotated[
         bool, typer.Option("--max-context", rich_help_panel=MAX_CONTEXT, help="Find the longest prompt each policy's set-up prefills within --memory-limit.")
     ] = False,
@@ -374,6 +377,8 @@ def profile(
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
     runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv2"))
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers, compile=compile_model)
+    if max_context and batch_size != 1:
+        raise UsageError("--batch-size goes without --max-context (the search prefills one prompt at a time)")
     if max_context:
         code = max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
         if code:
@@ -381,7 +386,7 @@ def profile(
         return
     if memory_limit is not None:
         raise UsageError("--memory-limit goes with --max-context")
-    settings = ProfileSettings(runs=runs, budget=budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    settings = ProfileSettings(runs=runs, budget=budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, batch_size=batch_size)
     if prompt_file is not None and not prompt_file.is_file():
         raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
     code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)

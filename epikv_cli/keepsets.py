@@ -223,16 +223,16 @@ class Shortlist:
     instead of all K: the ``period + 1`` lowest current candidates, and the ``period`` tokens that will
     leave the recent window meanwhile. Scores are frozen between refreshes and one token leaves per step,
     so the lowest candidate of every step is always on the list (the step that builds it and at most
-    ``period`` more take its lowest entries before it is rebuilt). Slots follow the moves that close the
-    victims' slots.
+    ``period`` more take its lowest entries before it is rebuilt), and each listed token's order key is
+    computed once, when the list is built. Slots follow the moves that close the victims' slots.
 
     Attributes:
-        slots, positions: ``[layers, heads, size]`` of the listed tokens; alive: ``[layers, heads, size]``
-        bool, False for padding and for tokens already picked.
+        slots, positions: ``[layers, heads, size]`` of the listed tokens; keys: ``[layers, heads, size]`` their
+        :func:`order_keys`, the largest int64 for padding and for tokens already picked.
     """
 
-    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor) -> None:
-        self.slots, self.positions, self.alive = slots, positions, alive
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> None:
+        self.slots, self.positions, self.keys = slots, positions, keys
 
     @classmethod
     def build(
@@ -246,17 +246,16 @@ class Shortlist:
         low = torch.topk(order_keys(scores, positions).masked_fill_(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
         upcoming = (positions >= window_start) & (positions < window_start + period) & (positions >= floor)
         soon = torch.topk(positions.masked_fill(~upcoming, _LAST), min(period, stored), dim=-1, largest=False)
+        soon_keys = order_keys(torch.gather(scores, -1, soon.indices), soon.values).masked_fill_(soon.values == _LAST, _LAST)
         listed = torch.cat([low.indices, soon.indices], dim=-1)
-        alive = torch.cat([low.values != _LAST, soon.values != _LAST], dim=-1)
-        return cls(listed, torch.gather(positions, -1, listed), alive)
+        return cls(listed, torch.gather(positions, -1, listed), torch.cat([low.values, soon_keys], dim=-1))
 
-    def pick(self, scores: torch.Tensor, seen: int, recent: torch.Tensor) -> torch.Tensor:
-        """``[layers, heads, 1]``: each (layer, head)'s lowest listed candidate (``scores`` ``[layers, heads,
-        slots]``; a token is a candidate once it is older than its layer's ``recent`` ``[layers]`` window)."""
-        eligible = self.alive & (self.positions < seen - recent[:, None, None])
-        keys = order_keys(torch.gather(scores, -1, self.slots), self.positions).masked_fill_(~eligible, _LAST)
-        chosen = keys.argmin(dim=-1, keepdim=True)
-        self.alive.scatter_(-1, chosen, False)
+    def pick(self, seen: int, recent: torch.Tensor) -> torch.Tensor:
+        """``[layers, heads, 1]``: each (layer, head)'s lowest listed candidate (a token is a candidate once it
+        is older than its layer's ``recent`` ``[layers]`` window); it is struck off the list."""
+        young = self.positions >= seen - recent[:, None, None]
+        chosen = self.keys.masked_fill(young, _LAST).argmin(dim=-1, keepdim=True)
+        self.keys.scatter_(-1, chosen, _LAST)
         return torch.gather(self.slots, -1, chosen)
 
     def follow(self, victims: torch.Tensor, last: int) -> None:

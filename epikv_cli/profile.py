@@ -9,6 +9,7 @@ ignored) from the same prompt of real text. A policy may name the attention kern
 from __future__ import annotations
 
 import statistics
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .engine import Generation
+from .batched import BatchDecoder
+from .engine import Generation, input_device
 from .errors import UsageError
+from .hostread import host_copies
+from .memory import peak_memory, reset_peak
 from .policies import POLICIES, make_policy, parse_policy_spec
 from .settings import ATTN_CHOICES, CacheSettings, SamplingSettings
 
@@ -60,6 +64,7 @@ class ProfileSettings:
     prompt_tokens: int = 256
     new_tokens: int = 512
     repeats: int = 3
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.runs:
@@ -67,6 +72,8 @@ class ProfileSettings:
         labels = [run.label for run in self.runs]
         if len(set(labels)) != len(labels):
             raise UsageError(f"--policies lists a policy twice: {','.join(labels)}")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.repeats < 1:
             raise UsageError(f"--repeats must be at least 1, got {self.repeats}")
         if self.new_tokens < MIN_NEW_TOKENS:
@@ -145,8 +152,13 @@ def attention_kernel(model, kernel: str | None):
         model.set_attn_implementation(base)
 
 
-def measure(model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int) -> RunMeasure:
-    """One forced-length generation (EOS ignored)."""
+def measure(
+    model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int, batch_size: int = 1
+) -> RunMeasure:
+    """One forced-length generation (EOS ignored); ``batch_size`` > 1 decodes that many copies together."""
+    if batch_size > 1:
+        with attention_kernel(model, run.kernel):
+            return measure_batch(model, ids, cache, new_tokens, batch_size)
     sampling = SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)
     with attention_kernel(model, run.kernel):
         generation = Generation(model, tokenizer, ids, cache, sampling)
@@ -161,6 +173,46 @@ def measure(model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSet
         kv_cache_bytes=result.kv_cache_bytes,
         peak_stored=result.peak_stored,
         peak_memory_kind=result.peak_memory_kind,
+    )
+
+
+def measure_batch(model, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, batch_size: int) -> RunMeasure:
+    """``batch_size`` copies of ``ids`` ``[1, n]``, each prefilled alone, then decoded together for ``new_tokens``
+    greedy tokens (EOS ignored), one forward per step for the whole batch. Decode tokens/s counts every row's
+    tokens (the batch's throughput); prefill seconds and memory cover all the prefills; the KV bytes are what
+    the batch's buffers hold (every row's slots, padding and room to grow included)."""
+    device = input_device(model)
+    ids = ids.to(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    with BatchDecoder(model, [cache]) as decoder:
+        with torch.inference_mode():
+            logits = torch.stack([decoder.add(ids, cache, ids.shape[1] + new_tokens) for _ in range(batch_size)])
+            tokens = logits.argmax(dim=-1)
+            host_copies([tokens])  # the prefill's last kernels have run
+            prefill_seconds = time.perf_counter() - start
+            prefill_memory = peak_memory(device)[0]
+            reset_peak(device)
+            elapsed = [prefill_seconds]
+            for _ in range(new_tokens - 1):
+                logits = decoder.forward(tokens)
+                tokens = logits.argmax(dim=-1)
+                values = host_copies([tokens] + decoder.pending_reads)  # the step's one host synchronisation
+                decoder.settle(values[1:])
+                elapsed.append(time.perf_counter() - start)
+        decode_memory, kind = peak_memory(device)
+        rows = [decoder.row(index) for index in range(decoder.batch)]
+        kv_bytes = decoder.cache.nbytes()
+    decode_seconds = elapsed[-1] - elapsed[0]
+    return RunMeasure(
+        prefill_seconds=prefill_seconds,
+        decode_tokens_per_s=batch_size * (new_tokens - 1) / decode_seconds,
+        flatness=flatness(elapsed),
+        prefill_peak_memory_bytes=prefill_memory,
+        decode_peak_memory_bytes=decode_memory,
+        kv_cache_bytes=kv_bytes,
+        peak_stored=max(row.peak_stored for row in rows),
+        peak_memory_kind=kind,
     )
 
 
@@ -218,12 +270,12 @@ def run_profile(model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, 
     """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run."""
     settings.check_budgets()
     for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
-        measure(model, tokenizer, ids, run, settings.cache_for(run), min(WARMUP_TOKENS, settings.new_tokens))
+        measure(model, tokenizer, ids, run, settings.cache_for(run), min(WARMUP_TOKENS, settings.new_tokens), settings.batch_size)
         advance(f"warm-up {run.label}")
     measured: dict[str, list[RunMeasure]] = {run.label: [] for run in settings.runs}
     for _ in range(settings.repeats):
         for run in settings.runs:
-            measured[run.label].append(measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens))
+            measured[run.label].append(measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size))
             advance(run.label)
     reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items()]
     for report in reports:
@@ -257,7 +309,7 @@ def profile_command(
     if json_output:
         report = {
             "model": model_name, "budget": settings.budget, "prompt_tokens": settings.prompt_tokens,
-            "new_tokens": settings.new_tokens, "repeats": settings.repeats, "attn": loaded.attn,
+            "new_tokens": settings.new_tokens, "repeats": settings.repeats, "batch_size": settings.batch_size, "attn": loaded.attn,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
             "device": str(next(loaded.model.parameters()).device),
             "results": [r.to_dict() for r in reports],
@@ -265,7 +317,8 @@ def profile_command(
         print(json.dumps(report), flush=True)
     else:
         title = (
-            f"{model_name}: budget {settings.budget}, prompt {settings.prompt_tokens} tokens, {settings.new_tokens} new, "
+            f"{model_name}: budget {settings.budget}, prompt {settings.prompt_tokens} tokens, {settings.new_tokens} new"
+            + (f" x {settings.batch_size} rows decoded together (tok/s: all rows)" if settings.batch_size > 1 else "") + ", "
             f"median of {settings.repeats} runs; × is the ratio to {reports[0].policy}; peak memory is "
             f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
         )

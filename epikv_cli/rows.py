@@ -330,6 +330,11 @@ class RowsCache(Cache):
             layer.keys[r, :, h] = layer.keys[r, :, m]
             layer.values[r, :, h] = layer.values[r, :, m]
 
+    def nbytes(self) -> int:
+        """Bytes the key and value buffers hold: every row's slots, padding and room to grow included."""
+        return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                   for layer in self.layers if layer.keys is not None)
+
     def kv_bytes(self, row: int) -> int:
         """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
         total = 0

@@ -44,8 +44,8 @@ def test_runs_are_interleaved_after_a_warm_up_and_forced_to_equal_length(tiny_mo
     calls = []
     real = profile_module.measure
 
-    def spy(model, tokenizer, ids, run, cache, new_tokens):
-        measured = real(model, tokenizer, ids, run, cache, new_tokens)
+    def spy(model, tokenizer, ids, run, cache, new_tokens, batch_size=1):
+        measured = real(model, tokenizer, ids, run, cache, new_tokens, batch_size)
         calls.append((run.label, new_tokens, ids.shape[1]))
         return measured
 
@@ -72,6 +72,31 @@ def test_runs_are_interleaved_after_a_warm_up_and_forced_to_equal_length(tiny_mo
     assert rows["streaming"]["peak_stored"] == 25 and rows["h2o@eager"]["peak_stored"] == 25
 
 
+def test_a_batch_decodes_copies_of_the_prompt_together(tiny_model_dir, monkeypatch):
+    steps = []
+    real_forward = profile_module.BatchDecoder.forward
+
+    def forward(self, tokens):
+        steps.append(tokens.shape[0])
+        return real_forward(self, tokens)
+
+    monkeypatch.setattr(profile_module.BatchDecoder, "forward", forward)
+    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming,epikv2", "-b", "19",
+                    "--prompt-tokens", "20", "--new-tokens", "12", "--repeats", "1", "--batch-size", "3", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    # warm-up (8 tokens) and measured (12) runs of three policies: one forward per step for all three rows
+    assert steps == [3] * (3 * 7 + 3 * 11)
+    data = json.loads(result.stdout)
+    assert data["batch_size"] == 3
+    rows = {r["policy"]: r for r in data["results"]}
+    # 512 bytes per slot (see above); a row joins with one slot more than it uses, then the buffers double as
+    # needed: the full cache's rows grow from 21 to 42 slots; streaming's keep the 21 they joined with (K = 19
+    # live, the slot its prefill's eviction left free, one more)
+    assert rows["full"]["kv_cache_bytes"] == 3 * 42 * 512
+    assert rows["streaming"]["kv_cache_bytes"] == 3 * 21 * 512
+    assert rows["streaming"]["peak_stored"] == 20 and rows["epikv2"]["peak_stored"] == 20  # each prompt before its cut
+
+
 def test_table_output(tiny_model_dir):
     result = invoke("--model", str(tiny_model_dir), "--policies", "full,epikv", "-b", "48", "--prompt-tokens", "20",
                     "--new-tokens", "8", "--repeats", "1", "-q")
@@ -86,6 +111,8 @@ def test_table_output(tiny_model_dir):
         (["--policies", "epikv,epikv"], ["lists a policy twice"]),
         (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
         (["--repeats", "0"], ["--repeats must be at least 1"]),
+        (["--batch-size", "0"], ["--batch-size must be at least 1"]),
+        (["--max-context", "--memory-limit", "1GiB", "--batch-size", "2"], ["--batch-size goes without --max-context"]),
         (["--new-tokens", "7"], ["--new-tokens must be at least 8"]),
         (["--policies", "epikv", "--budget", "100", "--prompt-tokens", "100"], ["--budget 100 is not larger than the 100-token prompt"]),
         (["--max-context", "--memory-limit", "lots"], ["is not a size"]),

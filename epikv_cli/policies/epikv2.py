@@ -86,7 +86,9 @@ def received_by_head(
     logits = torch.bmm(queries.float().reshape(kv_heads, group * w, dim), keys.float().transpose(-1, -2))
     logits = logits.view(kv_heads, group, w, n).mul_(scaling if scaling is not None else dim**-0.5)
     hidden = key_positions.to(keys.device)[:, None, None, :] > query_positions.to(keys.device)[None, None, :, None]
-    weights = torch.softmax(logits.masked_fill_(hidden, -math.inf), dim=-1)  # [kv_heads, group, w, n]
+    # the causal mask as a bias shared by the group's heads (a masked_fill broadcast over the logits is slower)
+    bias = torch.zeros(hidden.shape, dtype=logits.dtype, device=logits.device).masked_fill_(hidden, -math.inf)
+    weights = torch.softmax(logits.add_(bias), dim=-1)  # [kv_heads, group, w, n]
     if values is not None:
         weights = weights * values.float().norm(dim=-1)[:, None, None, :]
     return weights.sum(dim=2).mean(dim=1)
@@ -252,14 +254,14 @@ class EpiKV2(Policy):
         if over <= 0:
             return []
         if self._shortlist is not None:  # between refreshes: the lowest of a few listed candidates
-            victims = self._shortlist.pick(scores[:, :, :stored], seen, self._recent_by_layer)
+            victims = self._shortlist.pick(seen, self._recent_by_layer)
         else:  # after a refresh (or several at once): all of them, and a new list for the next steps
             window_start = seen - self._recent_by_layer[:, None, None]
             candidates = (positions >= floor) & (positions < window_start)
             if over == 1 and self.shortlisted:
                 self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period)
                 # the list holds the lowest candidates, so its first pick is the full search's victim
-                victims = self._shortlist.pick(scores[:, :, :stored], seen, self._recent_by_layer)
+                victims = self._shortlist.pick(seen, self._recent_by_layer)
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
                 shortest_window = self._budget // 2 if self.adapt else self.recent
                 self._shortlist_until = seen + min(self.period, shortest_window)

@@ -1,0 +1,101 @@
+"""Where a batched decode step's time goes: the model forward against each piece of the policies' work.
+
+B copies of a prompt of real text (the profile passage) are prefilled and decoded together, in one
+process, for each policy in turn (``--rounds`` times, interleaved); the pieces named below are timed
+with wrappers (their time includes what they call, so the lines overlap: ``decoder.forward`` holds
+the model and everything run inside or after it, ``decoder.settle`` the eviction).
+
+    .venv/bin/python benchmarks/batch_step_split.py --policies streaming,epikv2 --batch-size 8 --budget 512 --prompt-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+
+from epikv_cli import attention, batched, keepsets, rows
+from epikv_cli.batched import BatchDecoder
+from epikv_cli.models import load
+from epikv_cli.policies import epikv2, parse_policy_spec
+from epikv_cli.profile import prompt_ids
+from epikv_cli.settings import CacheSettings, ModelSettings
+
+TIMED = [
+    (batched.BatchDecoder, "forward", "decoder.forward (model + stage)"),
+    (batched.BatchDecoder, "_stage", "decoder._stage (policies observe)"),
+    (batched.BatchDecoder, "settle", "decoder.settle (policies select, rows evict)"),
+    (rows.RowsCache, "begin_step", "rows.begin_step"),
+    (rows.RowsCache, "end_step", "rows.end_step"),
+    (rows.RowsCache, "evict", "rows.evict"),
+    (rows.RowsLayer, "update", "rows layer writes"),
+    (attention.QueryRing, "write", "query ring writes"),
+    (epikv2, "received_by_head", "epikv2 refresh (received_by_head)"),
+    (keepsets.Shortlist, "pick", "epikv2 short-list pick"),
+    (keepsets.HeadSlots, "append", "head map append"),
+    (keepsets.HeadSlots, "release", "head map release"),
+]
+
+
+def timed(seconds: dict[str, float]) -> None:
+    """Wrap every piece of :data:`TIMED` so that it adds its wall time to ``seconds[label]``."""
+    for owner, name, label in TIMED:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="streaming,epikv2")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=48, help="timed steps per run (after 8 untimed)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load(ModelSettings())
+    ids = prompt_ids(loaded.tokenizer, args.prompt_tokens)
+    seconds: dict[str, float] = collections.defaultdict(float)
+    timed(seconds)
+    per_step: dict[str, dict[str, list[float]]] = {spec: collections.defaultdict(list) for spec in args.policies.split(",")}
+    for _ in range(args.rounds):
+        for spec in per_step:
+            name, options = parse_policy_spec(spec)
+            settings = CacheSettings(budget=None if name == "full" else args.budget, policy=name, options=options)
+            with torch.inference_mode(), BatchDecoder(loaded.model, [settings]) as decoder:
+                tokens = torch.stack([decoder.add(ids, settings) for _ in range(args.batch_size)]).argmax(dim=-1)
+                for _ in range(8):
+                    tokens = decoder.step(tokens).argmax(dim=-1)
+                seconds.clear()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    tokens = decoder.step(tokens).argmax(dim=-1)
+                per_step[spec]["whole step"].append((time.perf_counter() - start) / args.steps)
+            for label, total in seconds.items():
+                per_step[spec][label].append(total / args.steps)
+    labels = ["whole step"] + [label for _, _, label in TIMED]
+    print(f"ms per step, median of {args.rounds} rounds; batch {args.batch_size}, K = {args.budget}, prompt {args.prompt_tokens}")
+    print(f"{'':46s}" + "".join(f"{spec:>14s}" for spec in per_step))
+    for label in labels:
+        cells = [statistics.median(per_step[spec][label]) * 1000 if per_step[spec].get(label) else None for spec in per_step]
+        if any(cells):
+            print(f"{label:46s}" + "".join(f"{cell:14.3f}" if cell is not None else f"{'-':>14s}" for cell in cells))
+
+
+if __name__ == "__main__":
+    main()
