@@ -33,6 +33,7 @@ TIMED = [
     (rows.RowsCache, "end_step", "rows.end_step"),
     (rows.RowsCache, "evict", "rows.evict"),
     (rows.RowsLayer, "update", "rows layer writes"),
+    (attention.AttentionTaps, "observe", "attention taps (ring writes included)"),
     (attention.QueryRing, "write", "query ring writes"),
     (epikv2, "received_by_head", "epikv2 refresh (received_by_head)"),
     (keepsets.Shortlist, "pick", "epikv2 short-list pick"),
