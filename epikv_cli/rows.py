@@ -2,7 +2,9 @@
 
 A :class:`RowsCache` holds B rows. Every layer keeps ``[B, kv_heads, capacity, head_dim]`` buffers in
 which each row's live entries are compact (slots ``0 .. stored_b - 1``, shorter rows padded); an
-attention mask hides the padding. Rows join already prefilled (a single-sequence session hands over
+attention mask hides the padding. Between steps a row may hold one free slot among them, left by the
+single entry it evicted (per KV head, for a granular keep-set), which its next token fills: in the
+steady state no entry moves. Rows join already prefilled (a single-sequence session hands over
 its cache, policy state and queries) and leave when their sequence ends, so the batch can be kept
 full from a queue; or a whole left-padded batch is prefilled at once (``model.generate`` with a
 batch), after which each row's entries are moved to the front of its slots and the padding dropped. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry

@@ -176,3 +176,30 @@ def test_a_granular_row_whose_prompt_fills_the_budget_exactly_joins_a_batch():
                 break
             logits = decoder.step(chosen)
     assert [done[0], done[1], done[2]] == expected
+
+
+def test_a_granular_rows_next_token_fills_each_heads_victim_slot_and_nothing_moves():
+    """In the steady state a granular row's victims leave their slots vacant, and the next token's key is
+    written into each (layer, KV head)'s own vacant slot: every other entry stays where it was."""
+    model = tiny_model("llama", seed=3, initializer_range=0.15)
+    settings = CacheSettings(budget=16, policy="epikv2", options=(("recent", "0.25"),))
+    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 20)]
+    with BatchDecoder(model, [settings]) as decoder:
+        logits = torch.stack([decoder.add(ids, settings, ids.shape[1] + 40) for ids in prompts])
+        for step in range(30):  # both rows are over their budget and evict one token per step
+            logits = decoder.step(choose(logits, step))
+        heads = decoder.row(1).head_slots
+        vacant = heads.vacant.clone()  # [layers, kv_heads]: the slots last step's victims left
+        stored = decoder.row(1).stored
+        layers = [decoder.cache.layers[i] for i in decoder.cache.full_layer_indices]
+        before = torch.stack([layer.keys[1, :, : stored + 1].clone() for layer in layers])  # [layers, kv_heads, slots, dim]
+        logits = decoder.step(choose(logits, 30))
+        after = torch.stack([layer.keys[1, :, : stored + 1] for layer in layers])
+        position = decoder.row(1).seen - 1
+    assert heads.vacant is not None  # this step evicted again: new vacancies wait for the next token
+    written = torch.zeros(after.shape[:3], dtype=torch.bool)
+    written.scatter_(-1, vacant[..., None], True)
+    assert torch.equal(after[~written], before[~written])  # no entry moved
+    assert not torch.equal(after[written], before[written])  # the vacant slots took the new token's keys
+    assert torch.equal(torch.gather(heads.positions[:, :, : stored + 1], -1, vacant[..., None])[..., 0],
+                       torch.full(vacant.shape, position))
