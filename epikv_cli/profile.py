@@ -156,12 +156,10 @@ def measure(
     model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int, batch_size: int = 1
 ) -> RunMeasure:
     """One forced-length generation (EOS ignored); ``batch_size`` > 1 decodes that many copies together."""
-    if batch_size > 1:
-        with attention_kernel(model, run.kernel):
-            return measure_batch(model, ids, cache, new_tokens, batch_size)
-    sampling = SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)
     with attention_kernel(model, run.kernel):
-        generation = Generation(model, tokenizer, ids, cache, sampling)
+        if batch_size > 1:
+            return measure_batch(model, ids, cache, new_tokens, batch_size)
+        generation = Generation(model, tokenizer, ids, cache, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))
         elapsed = [event.elapsed for event in generation]
     result = generation.result
     return RunMeasure(
