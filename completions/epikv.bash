@@ -54,7 +54,7 @@ _epikv() {
             --new-tokens|-n) COMPREPLY=(); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         esac
-        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --new-tokens -n --output -o --resume --overwrite --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --new-tokens -n --output -o --resume --overwrite --trace --json --quiet -q --help -h" -- "$cur")) ;;
     generate)
         case "$prev" in
             --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;

@@ -57,6 +57,7 @@ complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l new-tokens -s n -
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l output -s o -r -F -d 'Per-prompt results as JSONL.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l resume -d 'Continue --output, skipping the prompts it holds.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l overwrite -d 'Replace a non-empty --output.'
+complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l trace -d 'Also write the reference token ids and every position\'s KL per policy into --output.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l json -d 'Print one JSON object instead of the table.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l quiet -s q -d 'No progress or status on stderr.'
 complete -c epikv -n '__fish_seen_subcommand_from fidelity' -l help -s h -d 'Show the help and exit.'

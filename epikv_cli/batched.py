@@ -71,8 +71,6 @@ class BatchDecoder:
         self.sliding = SLIDING in self.cache.groups
         self._pending: list[tuple[Signals, list[torch.Tensor]]] = []  # per row: what its policy left to settle
         self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
-        #: ``[B, n]`` the next forward's input ids, set by whoever runs it (None: unknown, e.g. embeddings)
-        self.inputs: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -120,10 +118,9 @@ class BatchDecoder:
         """:meth:`step` but for the host half: the rows' policies leave :attr:`pending_reads`, which the
         caller reads together with the next tokens and hands to :meth:`settle` before the next forward."""
         kwargs = self.begin_step()
-        self.inputs = tokens.view(-1, 1).to(self.device)
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=self.inputs, cache=self.cache, use_cache=True, logits_to_keep=1, **kwargs)
+                out = self.model(input_ids=tokens.view(-1, 1).to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1, **kwargs)
         finally:
             self._set_taps(False)
         self.finish_step()
@@ -204,15 +201,13 @@ class BatchDecoder:
             attention = record.row(index, row.full.stored, offset) if record is not None else None
             if attention is not None and row.queries_needed:
                 attention.queries = RowQueries(record.queries, index, row.queries_needed)
-            tokens = self.inputs[index, offset:] if self.inputs is not None else None
-            signals = Signals(appended[index], offsets is not None, hidden, attention, RowView(self.cache, index), tokens)
+            signals = Signals(appended[index], offsets is not None, hidden, attention, RowView(self.cache, index))
             if row.policy.staged:
                 self._pending.append((signals, row.policy.stage(signals)))
             else:
                 row.policy.observe(signals)
                 self._pending.append((signals, []))
         self.taps.clear()
-        self.inputs = None
         if record is not None:
             record.clear_forward()
 

@@ -412,6 +412,7 @@ def fidelity(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="Per-prompt results as JSONL.")] = None,
     resume: Annotated[bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping the prompts it holds.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
+    trace: Annotated[bool, typer.Option("--trace", rich_help_panel=OUTPUT, help="Also write the reference token ids and every position's KL per policy into --output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
 ) -> None:
@@ -423,7 +424,7 @@ def fidelity(
     files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
     code = fidelity_command(
         model_settings, files, lambda: load_problems(prompts, field=field, limit=limit, offset=offset), configs, new_tokens,
-        json_output=json_output, quiet=quiet,
+        json_output=json_output, quiet=quiet, trace=trace,
     )
     if code:
         raise typer.Exit(code)

@@ -70,9 +70,13 @@ class Agreement:
     after_full: int = 0
     kl_after_full: float = 0.0
     top1_after_full: int = 0
+    #: with ``--trace``: every position's KL, in order (None: not kept)
+    trace: list[float] | None = None
 
     def add(self, kl: float, agree: bool, nll: float, after_full: bool) -> None:
         """One position: KL(full || policy), whether the top-1 tokens agree, the policy's NLL of the reference token."""
+        if self.trace is not None:
+            self.trace.append(round(kl, TRACE_DIGITS))
         self.positions += 1
         self.kl += kl
         self.top1 += agree
@@ -84,7 +88,7 @@ class Agreement:
 
     def summary(self) -> dict:
         after = self.after_full or None
-        return {
+        summary = {
             "kl_after_full": self.kl_after_full / after if after else None,
             "kl_all": self.kl / self.positions,
             "top1_after_full": self.top1_after_full / after if after else None,
@@ -92,6 +96,9 @@ class Agreement:
             "perplexity": math.exp(self.nll / self.positions),
             "positions_after_full": self.after_full,
         }
+        if self.trace is not None:
+            summary["kl_by_position"] = self.trace
+        return summary
 
 
 @dataclass
@@ -109,6 +116,9 @@ class Config:
         name, options = parse_policy_spec(self.policy)
         return CacheSettings(budget=None if name == "full" else self.budget.resolve(prompt_len), policy=name, options=options)
 
+
+#: decimals kept of each position's KL in a ``--trace`` record
+TRACE_DIGITS = 6
 
 #: n-gram length of :func:`repeated_ngram_share`
 REPEAT_NGRAM = 8
@@ -143,12 +153,15 @@ def kept_age(cache, prompt_len: int) -> float | None:
     return float((cache.seen - generated).float().mean()) if generated.numel() else None
 
 
-def replay(model, ids: torch.Tensor, configs: list[Config], new_tokens: int, advance=lambda: None) -> tuple[list[int], list[dict]]:
+def replay(
+    model, ids: torch.Tensor, configs: list[Config], new_tokens: int, advance=lambda: None, trace: bool = False,
+) -> tuple[list[int], list[dict]]:
     """Reference tokens of one prompt and, per config, its agreement with the full cache.
 
     The full-cache reference and every config are rows of one batch, fed the same token each step
     (one forward per step for all of them). A config whose budget cannot hold this prompt gets
-    ``{"error": ...}`` instead of numbers.
+    ``{"error": ...}`` instead of numbers. ``trace``: each config's result also lists every position's
+    KL (``kl_by_position``, ``new_tokens`` floats).
     """
     prompt_len = ids.shape[1]
     total = prompt_len + new_tokens
@@ -168,7 +181,7 @@ def replay(model, ids: torch.Tensor, configs: list[Config], new_tokens: int, adv
     reference_settings = CacheSettings(budget=None, policy="full")
     with BatchDecoder(model, [reference_settings] + [s for _, s in runnable]) as decoder:
         logits = torch.stack([decoder.add(ids, reference_settings, total)] + [decoder.add(ids, s, total) for _, s in runnable])
-        agreements = [Agreement() for _ in runnable]
+        agreements = [Agreement(trace=[] if trace else None) for _ in runnable]
         tokens: list[int] = []
         for step in range(new_tokens):
             log_probs = torch.log_softmax(logits[0].float(), dim=-1)
@@ -227,9 +240,10 @@ def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
 
 def run_fidelity(
     loaded, problems: list[Problem], configs: list[Config], new_tokens: int, output: Path | None, resume: bool,
-    quiet: bool = False,
+    quiet: bool = False, trace: bool = False,
 ) -> tuple[list[SummaryRow], int]:
-    """Replay every problem (skipping those already in ``output`` with ``resume``); return the summary and exit status."""
+    """Replay every problem (skipping those already in ``output`` with ``resume``); return the summary and exit
+    status. ``trace``: each record also holds the reference token ids and every position's KL per config."""
     from rich.console import Console
 
     from .batch import JsonlWriter, read_results
@@ -250,11 +264,13 @@ def run_fidelity(
             for problem in todo:
                 ids = protocol_ids(loaded.tokenizer, problem)
                 progress.update(task, status=f"prompt {problem.id} ({ids.shape[1]} tokens)")
-                tokens, results = replay(loaded.model, ids, configs, new_tokens, lambda: progress.advance(task))
+                tokens, results = replay(loaded.model, ids, configs, new_tokens, lambda: progress.advance(task), trace=trace)
                 record = {
                     "id": problem.id, "line": problem.line, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens,
                     "reference_repeats": repeated_ngram_share(ids[0].tolist(), tokens), "results": results,
                 }
+                if trace:
+                    record["reference_tokens"] = tokens
                 records.append(record)
                 if writer is not None:
                     writer.write(record)
@@ -289,7 +305,8 @@ def summary_json(model_name: str, new_tokens: int, prompts: int, rows: list[Summ
 
 
 def fidelity_command(
-    model_settings, files, problems_from, configs: list[Config], new_tokens: int, json_output: bool = False, quiet: bool = False
+    model_settings, files, problems_from, configs: list[Config], new_tokens: int, json_output: bool = False, quiet: bool = False,
+    trace: bool = False,
 ) -> int:
     """``epikv fidelity``: load once, replay every problem, print the table (or ``--json``)."""
     from rich.console import Console
@@ -299,10 +316,12 @@ def fidelity_command(
 
     if new_tokens < 1:
         raise UsageError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if trace and files.output is None:
+        raise UsageError("--trace writes every position's KL into the per-prompt records; give --output FILE")
     problems = problems_from()
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    rows, code = run_fidelity(loaded, problems, configs, new_tokens, files.output, files.resume, quiet=quiet)
+    rows, code = run_fidelity(loaded, problems, configs, new_tokens, files.output, files.resume, quiet=quiet, trace=trace)
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
         print(summary_json(model_name, new_tokens, len(problems), rows), flush=True)

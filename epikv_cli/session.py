@@ -64,7 +64,6 @@ class EpiKVSession:
         #: with the sampled token and calls :meth:`settle` before the next forward.
         self.defer_reads = False
         self.pending: tuple[Signals, list[torch.Tensor]] | None = None
-        self._tokens: torch.Tensor | None = None  # [q] the latest forward's input ids (None: embeddings)
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
         needs = self.policy.attention_needs
         self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
@@ -102,12 +101,11 @@ class EpiKVSession:
         if not self._uses_cache(kwargs):
             return None
         self._set_taps(True)
+        if not self.cache.compressed_positions:
+            return None
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
             inputs = args[0]
-        self._tokens = inputs[0] if inputs is not None and inputs.dim() == 2 and not inputs.is_floating_point() else None
-        if not self.cache.compressed_positions:
-            return None
         kwargs["position_ids"] = self.cache.position_ids(inputs.shape[1], inputs.device)
         return args, kwargs
 
@@ -129,7 +127,7 @@ class EpiKVSession:
             )
         record = self.attention.record if self.attention is not None else None
         row = record.row(0, self.cache.stored) if record is not None else None
-        signals = Signals(appended, prompt, dict(self.taps.outputs), row, self.cache, self._tokens)
+        signals = Signals(appended, prompt, dict(self.taps.outputs), row, self.cache)
         if self.policy.staged:
             self.pending = (signals, self.policy.stage(signals))
         else:
@@ -216,7 +214,6 @@ class BatchSession:
         batch, count = ids.shape[0], ids.shape[1]
         if batch != self.batch_size and not self.cache.rows:
             raise UsageError(f"this cache was attached for batch_size={self.batch_size}, but the batch holds {batch} prompts")
-        self.decoder.inputs = ids if not ids.is_floating_point() else None
         if not self.cache.rows:
             mask = kwargs.get("attention_mask")
             padding = mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.zeros(batch, count, dtype=torch.bool)

@@ -44,7 +44,7 @@ def test_replay_under_eviction_equals_a_masked_full_forward(policy):
     prompt_len, new = 24, 50
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(4))
     config = Config(policy, BudgetSpec.parse("+16"))
-    tokens, results = replay(MODEL, ids, [config], new)
+    tokens, results = replay(MODEL, ids, [config], new, trace=True)
     sequence = ids[0].tolist() + tokens[:-1]
     # the same teacher-forced stream, to learn what it evicted at each step
     evicted = []
@@ -67,6 +67,8 @@ def test_replay_under_eviction_equals_a_masked_full_forward(policy):
     assert results[0]["perplexity"] == pytest.approx(float(nll.mean().exp()), rel=1e-4)
     assert results[0]["top1_all"] == pytest.approx(float((masked.argmax(-1) == torch.tensor(tokens)).double().mean()))
     assert results[0]["kl_all"] > 1e-4  # eviction did move the distribution
+    # --trace: every position's KL, in order
+    assert results[0]["kl_by_position"] == pytest.approx(per_position.tolist(), rel=1e-3, abs=1e-5)
 
 
 def test_budgets_parse_and_resolve():
@@ -125,9 +127,25 @@ def test_cli_json_resume_and_output(tiny_model_dir, tmp_path):
     assert json.loads(second.stdout)["results"][0]["prompts_counted"] == 3  # the resumed lines count too
 
 
+def test_cli_trace_writes_the_reference_and_each_positions_kl(tiny_model_dir, tmp_path):
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}])
+    out = tmp_path / "trace.jsonl"
+    result = runner.invoke(app, ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "--policies", "streaming,epikv2",
+                                 "--budgets", "+8", "-n", "20", "--trace", "--output", str(out), "-q"])
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(out.read_text())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = protocol_ids(AutoTokenizer.from_pretrained(tiny_model_dir), load_problems(path)[0])
+    assert record["reference_tokens"] == replay(model, ids, [], 20)[0]
+    for row in record["results"]:
+        assert len(row["kl_by_position"]) == 20
+        assert sum(row["kl_by_position"]) / 20 == pytest.approx(row["kl_all"], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
+        (["--trace"], "give --output FILE"),
         (["--budgets", "+x"], "is not a budget"),
         (["--budgets", "-5"], "is not a budget"),
         (["--policies", "h3o"], "unknown policy 'h3o'"),

@@ -129,8 +129,7 @@ def test_received_by_head_by_hand():
 
 
 def test_granular_options_are_checked():
-    for options in ((("keep", "rows"),), (("keep", "global"), ("adapt", "1")), (("credit", "mean"),), (("keep", "head"), ("signal", "epiphany")),
-                    (("keep", "global"), ("lookahead", "8")), (("lookahead", "-1"),), (("lookahead", "8"), ("ngram", "0"))):
+    for options in ((("keep", "rows"),), (("keep", "global"), ("adapt", "1")), (("credit", "mean"),), (("keep", "head"), ("signal", "epiphany"))):
         with pytest.raises(UsageError, match="epikv2"):
             make_policy(CacheSettings(budget=64, policy="epikv2", options=options))
     assert make_policy(CacheSettings(budget=64, policy="epikv2")).keep == "head"  # the default
@@ -181,9 +180,7 @@ SHAPES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama-mqa": ("llama",
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize(
-    "options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1")), (("keep", "head"), ("lookahead", "16"), ("ngram", "1"), ("weight", "0.01"))]
-)
+@pytest.mark.parametrize("options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1"))])
 def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, options):
     """Each step's logits equal one forward over the whole sequence in which every (layer, KV head) hides,
     from the query at position p, what it had evicted before p was fed."""
@@ -316,50 +313,3 @@ def test_order_keys_sort_like_score_then_position():
     keys = order_keys(scores, positions)
     expected = sorted(range(scores.numel()), key=lambda i: (float(scores[i]), int(positions[i])))
     assert torch.argsort(keys).tolist() == expected
-
-
-# -- copy lookahead ---------------------------------------------------------------------------------------
-
-LOOKAHEAD_PROMPT = list(range(100, 116))  # positions 0-15
-# six new tokens (16-21), the prompt's positions 5-7 again (22-24), then new tokens up to position 59
-LOOKAHEAD_TOKENS = list(range(200, 206)) + [105, 106, 107] + list(range(220, 255))
-
-
-def lookahead_settings(lookahead: int) -> CacheSettings:
-    # recency alone (signal=none) ranks every candidate equal, so only the lookahead's credit keeps a token
-    options = (("signal", "none"), ("recent", "6"), ("period", "4"), ("lookahead", str(lookahead)), ("ngram", "3"))
-    return CacheSettings(budget=24, policy="epikv2", options=options)
-
-
-def held_after_lookahead_run(lookahead: int, batched: bool) -> list[set[int]]:
-    from epikv_cli.batched import BatchDecoder
-
-    model = tiny_model("qwen2", seed=7)
-    ids = torch.tensor([LOOKAHEAD_PROMPT])
-    settings_ = lookahead_settings(lookahead)
-    total = len(LOOKAHEAD_PROMPT) + len(LOOKAHEAD_TOKENS)
-    if batched:  # a row of a batch, beside a row without lookahead
-        with BatchDecoder(model, [settings_, lookahead_settings(0)]) as decoder:
-            for row_settings in (settings_, lookahead_settings(0)):
-                decoder.add(ids, row_settings, total)
-            for token in LOOKAHEAD_TOKENS:
-                decoder.step(torch.tensor([token, token]))
-            view = decoder.row(0)
-            return [set(keep.tolist()) for keep in view.head_slots.held(view.stored).flatten(0, 1)]
-    with CacheStream(model, settings_, max_tokens=total) as stream:
-        stream.feed(ids)
-        for token in LOOKAHEAD_TOKENS:
-            stream.feed(torch.tensor([[token]]))
-        cache = stream.cache
-        return [set(keep.tolist()) for keep in cache.head_slots.held(cache.stored).flatten(0, 1)]
-
-
-@pytest.mark.parametrize("batched", [False, True])
-def test_lookahead_keeps_what_followed_a_repeated_passage(batched):
-    """Positions 22-24 repeat the prompt's 5-7: the 8 positions after 7 are credited at the next refresh
-    (position 27) and outlive every uncredited candidate; without lookahead the oldest leave first."""
-    sinks, recent = set(range(4)), set(range(54, 60))
-    with_lookahead = held_after_lookahead_run(8, batched)
-    assert all(keep == sinks | set(range(8, 16)) | set(range(48, 54)) | recent for keep in with_lookahead)
-    without = held_after_lookahead_run(0, batched)
-    assert all(keep == sinks | set(range(40, 60)) for keep in without)

@@ -28,7 +28,6 @@ class Signals:
         hidden: block index -> that block's output ``[1, q, hidden]`` (the layers of :meth:`Policy.tap_layers`).
         attention: what :attr:`Policy.attention_needs` asked for, per evicting layer (slot-indexed).
         cache: the cache, the new tokens in its last ``q`` live slots.
-        tokens: ``[q]`` the appended token ids, on the model's device (None when the forward took embeddings).
     """
 
     appended: range
@@ -36,7 +35,6 @@ class Signals:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     attention: AttentionRecord | None = None
     cache: BudgetCache | None = None
-    tokens: torch.Tensor | None = None
 
     def new_slots(self) -> slice:
         """The cache slots holding the appended tokens (always a contiguous run: the free slot, or the end)."""

@@ -25,25 +25,19 @@ weighs each attention weight by the L2 norm of the value it reads (what the toke
 token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head of each
 evicting layer keeps its own set, scored by its own attention and chosen on the device, see
 :mod:`epikv_cli.keepsets`), ``layer`` (one set per layer) or ``global`` (one set for every layer, on the
-host; ``signal=epiphany`` and ``credit`` need it); ``adapt=1`` (``layer``/``head`` only) lets
-each layer move its recent window within [K/2, K - sinks]. Copy lookahead (``layer``/``head`` only, off
-by default, see :mod:`epikv_cli.copies`): ``lookahead=64`` credits, at each refresh, the 64 positions
-after the earlier occurrence of every n-gram (``ngram``, default 3) the generation repeated since the
-last refresh, ``weight`` (default 1, one query's whole attention) per occurrence; ``loop=0.9`` only
-while at least that share of the last 64 generated tokens repeat an n-gram (a copy loop).
+host; ``signal=epiphany``, ``credit`` and ``pool`` need it); ``adapt=1`` (``layer``/``head`` only) lets
+each layer move its recent window within [K/2, K - sinks].
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..attention import AttentionNeeds
 from ..errors import UsageError
-from ..copies import NgramIndex, lookahead_hits
 from ..keepsets import HeadVictims, Shortlist, gone_positions
 from ..settings import CacheSettings
 from .base import Policy, Signals
@@ -52,9 +46,6 @@ from .keep_scored import CandidateHeap, ScoreBook
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
-
-#: generated tokens over which ``loop`` measures how repetitive the generation is
-LOOP_WINDOW = 64
 
 
 def received_attention(
@@ -104,18 +95,17 @@ def received_by_head(
 
 
 def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Each slot's score replaced by the largest within ``kernel // 2`` positions of it, in logical order
-    (SnapKV's and R-KV's pooling: the neighbours of an attended token stay with it).
+    """``[n]``: each slot's score replaced by the largest within ``kernel // 2`` positions of it, in logical
+    order (SnapKV's and R-KV's pooling: the neighbours of an attended token stay with it).
 
     Args:
-        scores: ``[..., n]`` slot-ordered; positions: ``[..., n]`` (or ``[n]`` shared) their logical positions.
-    Returns:
-        ``[..., n]`` in slot order.
+        scores: ``[n]`` slot-ordered; positions: ``[n]`` their logical positions.
     """
-    order = torch.argsort(positions.to(scores.device), dim=-1).expand_as(scores)
-    ranked = torch.gather(scores, -1, order).reshape(-1, 1, scores.shape[-1])
-    pooled = torch.nn.functional.max_pool1d(ranked, kernel, stride=1, padding=kernel // 2).reshape(scores.shape)
-    return torch.empty_like(scores).scatter_(-1, order, pooled)
+    order = torch.argsort(positions).to(scores.device)
+    pooled = torch.nn.functional.max_pool1d(scores[order][None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+    out = torch.empty_like(scores)
+    out[order] = pooled
+    return out
 
 
 class EpiKV2(Policy):
@@ -130,13 +120,13 @@ class EpiKV2(Policy):
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int, "lookahead": int, "ngram": int, "weight": float, "loop": float,
+        "pool": int, "keep": str, "adapt": int,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0, lookahead: int = 0, ngram: int = 3, weight: float = 1.0, loop: float = 0.0,
+        adapt: int = 0,
     ) -> None:
         if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
                 or signal not in ("attention", "epiphany", "none") or credit not in ("sum", "mean", "max") or values not in (0, 1) or pool < 1 or pool % 2 == 0):
@@ -149,10 +139,8 @@ class EpiKV2(Policy):
             raise UsageError(f"epikv2 option keep={keep!r}: use global, layer or head")
         if adapt not in (0, 1) or (adapt and keep == "global"):
             raise UsageError("epikv2 option adapt: 0 or 1, and 1 only with keep=layer or keep=head")
-        if lookahead < 0 or ngram < 1 or (lookahead and keep == "global"):
-            raise UsageError("epikv2 options lookahead >= 0 (tokens; 0 turns it off) and ngram >= 1; lookahead only with keep=layer or keep=head")
-        if keep != "global" and (signal == "epiphany" or credit != "sum"):
-            raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum only; use keep=global for the others")
+        if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
+            raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the others")
         self.sinks = sinks
         self.recent_share = recent
         self.recent = self.recent_for(budget)
@@ -180,13 +168,6 @@ class EpiKV2(Policy):
         self._recent_by_layer: torch.Tensor | None = None  # [layers] recent window of each layer, on the device
         self._shortlist: Shortlist | None = None  # granular: the possible victims until the next refresh
         self._shortlist_until = 0  # the last logical length the list covers
-        self.lookahead = lookahead
-        self.lookahead_weight = weight
-        self.loop = loop  # lookahead only while at least this share of the last LOOP_WINDOW tokens repeat an n-gram
-        self._repeats: deque[bool] = deque(maxlen=LOOP_WINDOW)
-        self.copies = NgramIndex(ngram) if lookahead else None  # lookahead: where each new n-gram occurred before
-        self._copy_starts: list[int] = []  # lookahead: earlier occurrences found since the last refresh
-        self._reading_tokens = False  # the latest stage left the appended token ids among its reads
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -203,9 +184,7 @@ class EpiKV2(Policy):
         """At the prefill and every ``period`` steps: the stored queries' attention to each live slot,
         ``[stored]`` on the device, mean over evicting layers (nothing on the other steps)."""
         if self.granular:
-            reads = self._stage_heads(signals)
-            self._reading_tokens = self.copies is not None and signals.tokens is not None
-            return reads + [signals.tokens] if self._reading_tokens else reads
+            return self._stage_heads(signals)
         if self.signal != "attention":
             return self.epiphany.stage(signals) if self.epiphany is not None else []
         if not self._refreshes(signals):
@@ -260,8 +239,6 @@ class EpiKV2(Policy):
                     queries, keys[0], query_positions[width], positions[j],
                     scaling=signals.attention.scaling.get(index), values=values[0] if self.value_weighted else None,
                 ).to(scores.device)
-                if self.pool > 1:
-                    part = pooled_over_positions(part, positions[j], self.pool)
                 parts.append(part.mean(dim=0, keepdim=True).expand_as(part) if self.keep == "layer" else part)
             received = torch.stack(parts)  # [layers, kv_heads, stored]
             if self.adapt:
@@ -270,10 +247,6 @@ class EpiKV2(Policy):
             if self.decay < 1:
                 current.mul_(self.decay)
             current.add_(received)
-        if refreshed and self._copy_starts:  # what followed the passages being repeated counts as attended
-            starts = torch.tensor(self._copy_starts, dtype=torch.long).to(scores.device, non_blocking=True)
-            scores[:, :, :stored].add_(lookahead_hits(positions, starts, self.lookahead), alpha=self.lookahead_weight)
-            self._copy_starts = []
         over = stored - cache.budget if cache.budget is not None else 0
         self._victims = None
         if refreshed or over != 1 or not self.shortlisted or seen > self._shortlist_until:
@@ -327,12 +300,6 @@ class EpiKV2(Policy):
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
         """Credit a refresh's attention to the live tokens (granular: learn which victims left for good)."""
         if self.granular:
-            if self._reading_tokens:
-                for earlier in self.copies.feed(values[-1].tolist(), signals.appended.start, match=not signals.prompt):
-                    self._repeats.append(earlier is not None)
-                    if earlier is not None and self._looping():
-                        self._copy_starts.append(earlier)
-                values = values[:-1]
             if self._victims is not None and values:
                 self._victims.gone = gone_positions(values[0], values[1])
             return
@@ -340,10 +307,6 @@ class EpiKV2(Policy):
             self.epiphany.settle(signals, values)
         elif values:
             self.credit(signals.cache.live_positions(), values[0])
-
-    def _looping(self) -> bool:
-        """Whether the generation is in a copy loop by the ``loop`` rule (always, with ``loop=0``)."""
-        return self.loop <= 0 or (len(self._repeats) == LOOP_WINDOW and sum(self._repeats) >= self.loop * LOOP_WINDOW)
 
     def credit(self, positions: torch.Tensor, received: torch.Tensor) -> None:
         """Decay the scores of ``positions`` ``[n]``, then add ``received`` ``[n]`` to them (a refresh)."""
