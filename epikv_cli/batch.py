@@ -23,6 +23,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -93,17 +94,22 @@ class BatchFiles:
     overwrite: bool = False
 
     @classmethod
-    def check(cls, prompts: Path, output: Path | None, resume: bool = False, overwrite: bool = False) -> BatchFiles:
-        """Refuse (with :class:`UsageError`) anything that would fail later or lose results."""
+    def check(
+        cls, prompts: Path, output: Path | None, resume: bool = False, overwrite: bool = False, option: str = "--prompts",
+    ) -> BatchFiles:
+        """Refuse (with :class:`UsageError`) anything that would fail later or lose results; ``option`` is the
+        flag that named ``prompts``, for messages."""
         if prompts != STDIN:
             try:
                 mode = prompts.stat().st_mode
             except FileNotFoundError:
-                raise UsageError(f"prompt file not found: {prompts}") from None
+                raise UsageError(
+                    f"{option} {prompts}: file not found; give a plain-text file (one prompt per line) or a JSONL file"
+                ) from None
             except OSError as error:
                 raise UsageError(f"cannot read the prompt file {prompts}: {error.strerror}") from None
             if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-                raise UsageError(f"--prompts {prompts} is {_kind(mode)}, not a file of prompts")
+                raise UsageError(f"{option} {prompts} is {_kind(mode)}, not a file of prompts")
         if resume and overwrite:
             raise UsageError("--resume continues --output and --overwrite replaces it; give one of them")
         if output is None:
@@ -172,7 +178,15 @@ def _apply_settings(item: PromptItem, data: dict, cache: CacheSettings, sampling
         item.cache = dataclasses.replace(cache, **changes["cache"])
         item.sampling = dataclasses.replace(sampling, **changes["sampling"])
     except UsageError as error:
-        item.error = str(error)
+        item.error = _in_line_keys(str(error), [*changes["cache"], *changes["sampling"]])
+
+
+def _in_line_keys(message: str, keys: list[str]) -> str:
+    """``message`` with the flags of the line's own settings named as the line names them
+    (``--top-p`` -> ``'top_p'``): the settings checks speak in flags."""
+    for key in keys:
+        message = re.sub(rf"--{key.replace('_', '-')}\b(?!-)", f"'{key}'", message)
+    return message
 
 
 def _valid_id(value: Any) -> bool:
@@ -199,6 +213,9 @@ def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: Sam
         item.error = f"unknown key {', '.join(repr(k) for k in unknown)}; a line may hold {', '.join(LINE_KEYS)}"
         return item
     prompt, messages = data.get("prompt"), data.get("messages")
+    if isinstance(prompt, str) and messages is None and not prompt.strip():
+        item.error = "'prompt' is empty; give the text to generate from, or drop the line"
+        return item
     if isinstance(prompt, str) and messages is None:
         item.prompt = decode_text(prompt)[0]
     elif prompt is None and isinstance(messages, list) and all(
@@ -231,7 +248,7 @@ def read_prompt_file(source: Path, cache: CacheSettings | None = None, sampling:
     raw = _read_bytes(source).removeprefix(b"\xef\xbb\xbf").split(b"\n")
     numbered = [(n, line.rstrip(b"\r")) for n, line in enumerate(raw, 1) if line.strip()]
     if not numbered:
-        raise UsageError(f"{source} holds no prompts")
+        raise UsageError(f"{source} holds no prompts; write one per line (or one JSON object per line)")
     jsonl = source.suffix == ".jsonl" or all(line.lstrip().startswith(b"{") for _, line in numbered)
     items = []
     for number, data in numbered:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -18,7 +19,7 @@ except ImportError:  # pragma: no cover - older Typer uses click itself
 
 from . import __version__
 from .batch import BatchFiles, run_batch
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
+from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, ModelLoadError, UsageError
 from .generate import report_nothing_generated, run_generate
 from .helpscreen import render_help
 from .policies import POLICIES, parse_policy_spec
@@ -39,6 +40,7 @@ from .settings import (
     PromptSettings,
     SamplingSettings,
     parse_bands,
+    recent_window_policies,
     require_finite,
 )
 from .shapes import SHAPES
@@ -88,6 +90,7 @@ EXIT_STATUSES = (
     (1, "a batch finished but some prompts failed (each has an error line in the output)"),
     (2, "bad input: one line on stderr says what is wrong and what to do"),
     (130, "interrupted (Ctrl-C); text already printed and finished JSONL lines are kept"),
+    (141, "the reader of stdout closed the pipe early (e.g. | head); nothing more is printed"),
 )
 
 # Enums give Typer its choices, help text and shell completion.
@@ -115,7 +118,7 @@ DeviceMapOption = Annotated[
     str,
     typer.Option(
         metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES),
-        help="Accelerate device map: auto, balanced, sequential, cpu, cuda, cuda:N, mps.",
+        help="Accelerate device map: auto, balanced, balanced_low_0, sequential, cpu, cuda, cuda:N, mps.",
     ),
 ]
 DTypeOption = Annotated[
@@ -150,11 +153,23 @@ class EpikvCommand(TyperCommand):
 class EpikvGroup(TyperGroup):
     """Typer's group, with every usage error reduced to one line on stderr and exit status 2.
 
-    ``epikv`` alone prints the help and exits 0; Ctrl-C outside a generation exits 130 with one line.
+    ``epikv`` alone prints the help and exits 0; Ctrl-C outside a generation exits 130 with one line;
+    a reader that closes the pipe early (``| head``) ends the run quietly with 141, as SIGPIPE ends
+    other command-line tools.
     """
 
     def format_help(self, ctx, formatter) -> None:
         formatter.write(render_help(ctx, self))
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            # nothing more can reach the reader; point stdout at /dev/null so the exit's flush cannot fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            sys.exit(EXIT_BROKEN_PIPE)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -166,7 +181,9 @@ class EpikvGroup(TyperGroup):
             code = 0
         except ClickException as error:
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
-            _fail(error.format_message().replace("\n", " ") + hint, error.exit_code)
+            # Typer validates through pydantic, whose messages carry a "Value error, " prefix: not for users
+            message = error.format_message().replace("\n", " ").replace("Value error, ", "")
+            _fail(message + hint, error.exit_code)
         except typer.Abort:
             sys.stdout.flush()
             print("epikv: interrupted; nothing was generated", file=sys.stderr)
@@ -182,7 +199,7 @@ class EpikvGroup(TyperGroup):
 app = typer.Typer(
     cls=EpikvGroup,
     name="epikv",
-    help="Long-reasoning generation under a fixed KV-cache budget, with EpiKV eviction.",
+    help="Long-reasoning generation under a fixed KV-cache budget, with attention-free eviction (epikv2, the default, and the paper's EpiKV).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -245,7 +262,7 @@ def generate(
     budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer, prompt included.")] = 4096,
     policy: Annotated[PolicyName, typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="Eviction policy (epikv: the paper's, exactly as published).")] = PolicyName.epikv2,
     recent: Annotated[
-        Optional[int], typer.Option(rich_help_panel=CACHE, help="R: generated tokens always kept (epikv, lagkv, random). Default min(128, K // 4).")
+        Optional[int], typer.Option(rich_help_panel=CACHE, help=f"R: generated tokens always kept ({', '.join(recent_window_policies())}). Default: the policy's own (epikv: min(128, K // 4); epikv2: 75% of K).")
     ] = None,
     bands: Annotated[
         Optional[str],
@@ -458,7 +475,7 @@ def eval_(
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
     source = Path(dataset)
     if dataset not in HUB_DATASETS or source.exists():
-        files = BatchFiles.check(source, output, resume=resume, overwrite=overwrite)
+        files = BatchFiles.check(source, output, resume=resume, overwrite=overwrite, option="--dataset")
     else:
         files = BatchFiles.check(Path("-"), output, resume=resume, overwrite=overwrite)  # only the output to check
     code = eval_command(model_settings, dataset, field, answer_field, limit, offset, configs, max_new_tokens, files,

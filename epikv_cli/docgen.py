@@ -238,10 +238,13 @@ def man_page() -> str:
         _roff(root.help),
         ".PP",
         _roff(
-            "Each generated token gets an epiphany score: how much the model's hidden state changes from the "
-            "previous token at two layers, detrended by a causal rolling z-score. When the cache is full, the "
-            "prompt and the most recent tokens stay and the lowest-scoring tokens leave. No attention matrix is "
-            "built, so SDPA and FlashAttention kernels run unchanged."
+            "The default policy, epikv2, keeps a few sink tokens, the most recent 75% of the budget, and, for each "
+            "KV head of each layer, the tokens that received the most attention from that layer's last 16 queries, "
+            "recomputed beside the attention kernel every 16 steps. The paper's EpiKV (--policy epikv) gives each "
+            "generated token an epiphany score: how much the model's hidden state changes from the previous token "
+            "at two layers, detrended by a causal rolling z-score; when the cache is full, the prompt and the most "
+            "recent tokens stay and the lowest-scoring tokens leave. Neither takes attention weights from the "
+            "kernel, so SDPA and FlashAttention kernels run unchanged."
         ),
         ".SH OPTIONS",
     ]

@@ -24,7 +24,7 @@ from transformers import (
 from .cache import HEADROOM
 from .hostread import host_copies
 from .memory import peak_memory, reset_peak
-from .policies import POLICIES
+from .policies import POLICIES, make_policy
 from .session import EpiKVSession
 from .settings import CacheSettings, SamplingSettings
 from .textstream import IncrementalDetokenizer
@@ -46,6 +46,9 @@ class StepEvent:
         logits: ``[vocab]`` raw logits that produced this token, only when the generation was made with
             ``keep_logits=True`` (otherwise None: a consumer keeping events should not keep vocab-sized tensors).
         elapsed: seconds since generation started (prefill included).
+        evicted_total: entries each evicting layer (each KV head, with per-head keep-sets) has dropped
+            so far, the count the summary reports; with per-head keep-sets ``evicted`` names only the
+            positions no head holds any more, so the two differ.
     """
 
     index: int
@@ -58,6 +61,7 @@ class StepEvent:
     scored: list[tuple[int, float]]
     logits: torch.Tensor | None = field(repr=False)
     elapsed: float
+    evicted_total: int = 0
 
 
 @dataclass
@@ -266,6 +270,8 @@ class Generation:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         #: whether the policy gives each token a frozen score (the panel's sparkline)
         self.policy_has_scores = POLICIES[cache.policy].has_scores
+        #: whether each KV head keeps its own set (a position leaves the model only when every head dropped it)
+        self.policy_per_head = make_policy(cache).granular if cache.budget is not None else False
         #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts
         self.bands_description: str | None = None
 
@@ -322,6 +328,7 @@ class Generation:
                         scored=[(p, s) for p in last.appended if (s := session.policy.score_of(p)) is not None],
                         logits=logits if self.keep_logits else None,
                         elapsed=time.perf_counter() - start,
+                        evicted_total=session.cache.evicted_total,
                     )
                     ended = stopper.reason(token_id, sequence.ids, generated)
                     if ended:

@@ -5,6 +5,7 @@ from __future__ import annotations
 EXIT_FAILED = 1  # a batch finished, some prompts failed
 EXIT_USAGE = 2  # bad input
 EXIT_INTERRUPTED = 130  # Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away, as a shell reports it for other tools
 
 
 class UsageError(ValueError):

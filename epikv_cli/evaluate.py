@@ -239,7 +239,7 @@ def eval_command(model_settings, dataset: str, field: str | None, answer_field: 
     if dataset in HUB_DATASETS and not Path(dataset).exists():
         problems = load_hub_dataset(dataset, limit, offset)
     else:
-        problems = load_problems(Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset)
+        problems = load_problems(Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset, option="--dataset")
     missing = next((p for p in problems if p.answer is None), None)
     if missing is not None:
         raise UsageError(f"{dataset}:{missing.line}: no '{answer_field}' field; name the reference answer's field with --answer-field")

@@ -23,7 +23,7 @@ from .batched import BatchDecoder
 from .errors import EXIT_INTERRUPTED, UsageError
 from .policies import make_policy, parse_policy_spec
 from .problems import Problem, protocol_ids
-from .settings import CacheSettings
+from .settings import CacheSettings, list_items
 
 _BUDGET = re.compile(r"^(\+?)([1-9]\d*)$")
 
@@ -45,7 +45,7 @@ class BudgetSpec:
 
     @classmethod
     def parse_list(cls, text: str) -> tuple[BudgetSpec, ...]:
-        specs = tuple(cls.parse(part) for part in text.split(",") if part.strip())
+        specs = tuple(cls.parse(part) for part in list_items(text, "--budgets"))
         if not specs:
             raise UsageError("--budgets is empty; give budgets such as +64,+128,256")
         return specs
@@ -287,7 +287,7 @@ def run_fidelity(
 
 def check_configs(policies: str, budgets: str) -> list[Config]:
     """Every policy x budget, policies validated against the registry."""
-    names = [name.strip() for name in policies.split(",") if name.strip()]
+    names = list_items(policies, "--policies")
     if not names:
         raise UsageError("--policies is empty; give names such as streaming,epikv,h2o")
     for name in names:  # a spec is NAME[:key=value...]; its settings are checked here, before any model loads

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from rich.console import Console
 
 from .engine import Generation, GenerationResult, input_device
-from .errors import EXIT_INTERRUPTED
+from .errors import EXIT_INTERRUPTED, UsageError
 from .memory import peak_memory
 from .models import load
 from .prompts import build_input_ids, decode_text, has_chat_template, require_text
@@ -53,6 +53,8 @@ def read_prompt(prompt: str | None, warn) -> str:
     if prompt == "-":
         stream = sys.stdin
         prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+        if not prompt.strip():
+            raise UsageError("stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an argument")
     text, replaced = decode_text(prompt)
     if replaced:
         warn("the prompt is not valid UTF-8; the bytes that could not be read became U+FFFD")
@@ -105,7 +107,7 @@ def run_generate(
         if use_panel:
             state = PanelState(
                 budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
-                spike_threshold=spike_threshold,
+                spike_threshold=spike_threshold, per_head=generation.policy_per_head,
             )
             view = PanelView(state, loaded.tokenizer)
             device = input_device(loaded.model)

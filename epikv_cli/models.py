@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,6 +176,26 @@ def compile_forward(model) -> None:
     model.forward = torch.compile(model.forward, mode=mode)
 
 
+@contextmanager
+def _quiet_gguf_conversion(active: bool):
+    """While loading a GGUF file: no de-quantisation progress bar (transformers draws it with tqdm directly,
+    outside its own progress-bar switch), so that loading is as quiet as from safetensors."""
+    if not active:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _load(settings: ModelSettings, log=None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -188,38 +210,39 @@ def _load(settings: ModelSettings, log=None) -> LoadedModel:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    try:
+    with _quiet_gguf_conversion(source.kind == "gguf"):
         try:
-            config = AutoConfig.from_pretrained(source.root, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(source.root, **kwargs)
-        except (OSError, ValueError) as error:
-            if source.kind == "hub":
-                raise ModelLoadError(
-                    f"could not get {source.location!r} from the Hugging Face Hub ({_one_line(error)}); "
-                    "check the id and the network, or pass a local directory or .gguf file"
-                ) from None
-            raise ModelLoadError(f"cannot load {source.location}: {_one_line(error)}") from None
-        on_cuda = runs_on_cuda(settings.device_map)
-        dtype = _torch_dtype(settings.dtype, source)
-        resolved_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(config, "dtype", None)
-        if isinstance(resolved_dtype, str):
-            resolved_dtype = getattr(torch, resolved_dtype, None)
-        attn = choose_attn(
-            settings.attn,
-            on_cuda=on_cuda,
-            flash_available=flash_attn_installed(),
-            model_type=getattr(config, "model_type", ""),
-            dtype=resolved_dtype,
-        )
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.root, dtype=dtype, device_map=settings.device_map, attn_implementation=attn, **kwargs
+            try:
+                config = AutoConfig.from_pretrained(source.root, **kwargs)
+                tokenizer = AutoTokenizer.from_pretrained(source.root, **kwargs)
+            except (OSError, ValueError) as error:
+                if source.kind == "hub":
+                    raise ModelLoadError(
+                        f"could not get {source.location!r} from the Hugging Face Hub ({_one_line(error)}); "
+                        "check the id and the network, or pass a local directory or .gguf file"
+                    ) from None
+                raise ModelLoadError(f"cannot load {source.location}: {_one_line(error)}") from None
+            on_cuda = runs_on_cuda(settings.device_map)
+            dtype = _torch_dtype(settings.dtype, source)
+            resolved_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(config, "dtype", None)
+            if isinstance(resolved_dtype, str):
+                resolved_dtype = getattr(torch, resolved_dtype, None)
+            attn = choose_attn(
+                settings.attn,
+                on_cuda=on_cuda,
+                flash_available=flash_attn_installed(),
+                model_type=getattr(config, "model_type", ""),
+                dtype=resolved_dtype,
             )
-        except (OSError, ValueError, RuntimeError) as error:
-            raise ModelLoadError(f"cannot load the weights of {source.location}: {_one_line(error)}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    source.root, dtype=dtype, device_map=settings.device_map, attn_implementation=attn, **kwargs
+                )
+            except (OSError, ValueError, RuntimeError) as error:
+                raise ModelLoadError(f"cannot load the weights of {source.location}: {_one_line(error)}") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            hf_logging.enable_progress_bar()
     model.eval()
     model.epikv_calibration = load_calibration(model_key(source))  # EpiKV's bands for this model, if calibrated
     return LoadedModel(model, tokenizer, source, attn)

@@ -65,15 +65,17 @@ def _problem(number: int, data: dict, field: str | None, answer_field: str, sour
 
 
 def load_problems(
-    source: Path, field: str | None = None, answer_field: str = "answer", limit: int | None = None, offset: int = 0
+    source: Path, field: str | None = None, answer_field: str = "answer", limit: int | None = None, offset: int = 0,
+    option: str = "--prompts",
 ) -> list[Problem]:
-    """Problems ``offset .. offset + limit`` of ``source`` (plain text or JSONL), blank lines skipped."""
+    """Problems ``offset .. offset + limit`` of ``source`` (plain text or JSONL), blank lines skipped;
+    ``option`` is the flag that named the file, for messages."""
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1, got {limit}")
     if offset < 0:
         raise UsageError(f"--offset must be 0 or more, got {offset}")
     if not source.is_file():
-        raise UsageError(f"prompt file not found: {source}")
+        raise UsageError(f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file")
     try:
         lines = source.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
@@ -84,7 +86,9 @@ def load_problems(
     if limit is not None:
         numbered = numbered[:limit]
     if not numbered:
-        raise UsageError(f"{source} holds no prompts" + (f" from --offset {offset}" if offset else ""))
+        if offset:
+            raise UsageError(f"{source} holds no prompts from --offset {offset} on; give a smaller --offset")
+        raise UsageError(f"{source} holds no prompts; write one per line (or one JSON object per line)")
     if not jsonl:
         return [Problem(n, n, prompt=line) for n, line in numbered]
     problems = []

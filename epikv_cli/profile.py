@@ -23,7 +23,7 @@ from .errors import UsageError
 from .hostread import host_copies
 from .memory import peak_memory, reset_peak
 from .policies import POLICIES, make_policy, parse_policy_spec
-from .settings import ATTN_CHOICES, CacheSettings, SamplingSettings
+from .settings import ATTN_CHOICES, CacheSettings, SamplingSettings, list_items
 
 MIN_NEW_TOKENS = 8
 WARMUP_TOKENS = 8
@@ -85,7 +85,7 @@ class ProfileSettings:
 
     @classmethod
     def parse_policies(cls, text: str) -> tuple[PolicyRun, ...]:
-        return tuple(PolicyRun.parse(part) for part in text.split(",") if part.strip())
+        return tuple(PolicyRun.parse(part) for part in list_items(text, "--policies"))
 
     def cache_for(self, run: PolicyRun) -> CacheSettings:
         return CacheSettings(budget=None if run.policy == "full" else self.budget, policy=run.policy, options=run.options)

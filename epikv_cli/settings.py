@@ -24,6 +24,11 @@ _DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|npu)(:(\d+))?$|^(\d+)$")
 GREEDY_BELOW = 1e-5
 #: torch generators take seeds from 0 to 2**64 - 1.
 MAX_SEED = 2**64 - 1
+#: The largest K accepted: positions and slot counts are int64 tensors (a K beyond any sequence
+#: simply never evicts; policy ``full`` says so directly).
+MAX_BUDGET = 2**62
+#: The largest token count a recent window or a policy option may name: no model holds 2**31 tokens.
+MAX_TOKENS = 2**31 - 1
 
 #: Paper defaults (METHOD.md): z-score window, its epsilon, recent-window cap.
 ZSCORE_WINDOW = 64
@@ -61,6 +66,24 @@ def parse_bands(text: str) -> tuple[tuple[int, float], ...]:
 def default_recent(budget: int) -> int:
     """The recent window R = min(128, K // 4) of METHOD.md."""
     return min(RECENT_CAP, budget // 4)
+
+
+def list_items(text: str, option: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped (``[]`` when it holds none); an empty item between
+    commas (``a,,b``, ``a,``) is refused, as a typo that would otherwise drop something silently."""
+    items = [part.strip() for part in text.split(",")]
+    if not any(items):
+        return []
+    if not all(items):
+        raise UsageError(f"{option} {text!r} has an empty item; separate the items with single commas")
+    return items
+
+
+def recent_window_policies() -> list[str]:
+    """Names of the policies that take ``--recent``, sorted."""
+    from .policies import POLICIES  # late import: policies import settings
+
+    return sorted(name for name, cls in POLICIES.items() if cls.takes_recent())
 
 
 def require_finite(option: str, value: float) -> float:
@@ -110,15 +133,28 @@ class CacheSettings:
             )
         if self.budget is not None and self.budget < 1:
             raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
+        if self.budget is not None and self.budget > MAX_BUDGET:
+            raise UsageError(
+                f"--budget must be at most {MAX_BUDGET} tokens, got {self.budget}; for no eviction use --policy full"
+            )
         if self.budget is None and POLICIES[self.policy].evicts:
             raise UsageError(f"policy {self.policy!r} needs a --budget")
         if self.recent is not None and self.recent < 0:
             raise UsageError(f"--recent must be 0 or more, got {self.recent}")
-        if self.recent is not None and not POLICIES[self.policy].uses_recent:
-            users = ", ".join(sorted(name for name, cls in POLICIES.items() if cls.uses_recent))
+        if self.recent is not None and self.recent > MAX_TOKENS:
+            raise UsageError(f"--recent must be at most {MAX_TOKENS} tokens, got {self.recent}")
+        if self.recent is not None and not POLICIES[self.policy].takes_recent():
             raise UsageError(
                 f"--recent does not apply to policy {self.policy!r} (it keeps no separate recent window); "
-                f"drop --recent or choose one of: {users}"
+                f"drop --recent or choose one of: {', '.join(recent_window_policies())}"
+            )
+        keys = [key for key, _ in self.options]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise UsageError(f"policy option {key!r} is given {keys.count(key)} times; give it once")
+        if self.recent is not None and "recent" in keys:
+            raise UsageError(
+                f"--recent and the option recent= both set the recent window of {self.policy!r}; give one of them"
             )
         require_seed(self.seed)
         if self.positions not in POSITION_MODES:
@@ -127,8 +163,8 @@ class CacheSettings:
             )
         if self.bands is not None and self.policy != "epikv":
             raise UsageError(f"--bands only applies to policy 'epikv', not {self.policy!r}")
-        if self.options:
-            POLICIES[self.policy].options_from(self)  # unknown or malformed options fail here, before any model loads
+        if self.options or self.recent is not None:
+            POLICIES[self.policy].from_settings(self)  # unknown, malformed or out-of-range options fail here, before any model loads
 
     @property
     def recent_window(self) -> int:

@@ -72,12 +72,15 @@ class PanelState:
     tokens_per_s: float | None = None
     memory_bytes: int | None = None
     bands: str | None = None  # EpiKV's bands and their source
+    per_head: bool = False  # each KV head keeps its own set: spans then hold the positions every head dropped
+    evicted_total: int = 0  # entries each evicting layer (or KV head) has dropped, as the summary counts them
     _decode_start: float | None = None
 
     def update(self, event: StepEvent) -> None:
         self.pieces.append(event.text)
         self.generated.append(event.token_id)
         self.stored, self.seen = event.stored, event.seen
+        self.evicted_total = event.evicted_total
         for position in event.evicted:
             self.spans.add(position)
         for position, score in event.scored:
@@ -131,10 +134,16 @@ class PanelView:
         lines = Text.assemble(
             ("stored         ", "bold"), stored, "\n",
             ("logical length ", "bold"), str(s.seen), "\n",
-            ("evicted        ", "bold"), f"{s.spans.total} in {len(s.spans)} spans", "\n",
+            ("evicted        ", "bold"), self._evicted_line(), "\n",
             ("decode         ", "bold"), f"{speed}   {memory}",
         )
         return Panel(lines, title="cache", title_align="left", border_style="blue")
+
+    def _evicted_line(self) -> str:
+        s = self.state
+        if not s.per_head:
+            return f"{s.spans.total} in {len(s.spans)} spans"
+        return f"{s.evicted_total} per KV head; by every head {s.spans.total}, in {len(s.spans)} spans"
 
     def spans_panel(self, count: int = 6) -> Panel:
         lines = Text(f"{'positions':>13}  {'n':>5}  text", style="dim")
@@ -142,8 +151,10 @@ class PanelView:
             where = f"{span.start}–{span.end}"
             lines.append(f"\n{where:>13}  {len(span):>5}  {_snippet(self._decode(span.start, span.end))}")
         if not len(self.state.spans):
-            lines.append("\n" + " " * 13 + "  nothing evicted yet", style="dim")
-        return Panel(lines, title="evicted spans (newest first)", title_align="left", border_style="magenta")
+            nothing = "no position evicted by every KV head yet" if self.state.per_head else "nothing evicted yet"
+            lines.append("\n" + " " * 13 + "  " + nothing, style="dim")
+        title = "spans evicted by every KV head (newest first)" if self.state.per_head else "evicted spans (newest first)"
+        return Panel(lines, title=title, title_align="left", border_style="magenta")
 
     def scores_panel(self) -> Panel:
         s = self.state

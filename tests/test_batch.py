@@ -104,22 +104,27 @@ def test_bad_per_line_settings_are_that_lines_error(tiny_model_dir, tmp_path):
         json.dumps({"id": "ok", "prompt": "hi", "stop": ["zzz"], "seed": 3}),
         json.dumps({"id": "recent", "prompt": "hi", "recent": -1}),
         json.dumps({"id": ["not", "an", "id"], "prompt": "hi"}),
+        json.dumps({"id": "huge", "prompt": "hi", "budget": 10**20}),
+        json.dumps({"id": "blank", "prompt": "  \n"}),
     ]) + "\n")
     out = tmp_path / "out.jsonl"
     result = run(tiny_model_dir, prompts, out)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     rows = records(out)
-    assert [r["line"] for r in rows] == list(range(1, 9))
+    assert [r["line"] for r in rows] == list(range(1, 11))
     errors = {r["id"]: r["error"] for r in rows}
-    assert "--temperature must be a finite number" in errors["nan"]
-    assert "--max-new-tokens must be at least 1" in errors["neg"]
+    # the line's own keys are named as the line names them, not as the flags
+    assert errors["nan"].startswith("'temperature' must be a finite number")
+    assert errors["neg"].startswith("'max_new_tokens' must be at least 1")
+    assert errors["huge"].startswith(f"'budget' must be at most {2**62} tokens, got {10**20}")
+    assert errors["blank"] == "'prompt' is empty; give the text to generate from, or drop the line"
     assert "unknown key 'max_tokens'" in errors["unknown"]
     assert "'budget' must be a whole number" in errors["type"]
     assert "'top_k' must be a whole number" in errors["bool"]
-    assert "--recent must be 0 or more" in errors["recent"]
+    assert errors["recent"] == "'recent' must be 0 or more, got -1"
     assert "'id' must be a string or a whole number" in errors[8]
     assert errors["ok"] is None and rows[5]["stats"]["generated_tokens"] == 8
-    assert error_lines(result) == [1, 2, 3, 4, 5, 7, 8]
+    assert error_lines(result) == [1, 2, 3, 4, 5, 7, 8, 9, 10]
 
 
 def test_a_non_utf8_line_is_that_lines_error(tiny_model_dir, tmp_path):
@@ -307,7 +312,7 @@ def test_unusable_output_is_refused_before_loading(tiny_model_dir, tmp_path, no_
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--prompts", "/no/such/file.txt"], "prompt file not found"),
+        (["--prompts", "/no/such/file.txt"], "--prompts /no/such/file.txt: file not found; give a plain-text file"),
         (["--prompts", "DIR"], "is a directory, not a file of prompts"),
         (["--prompts", "/dev/null"], "is a character device, not a file of prompts"),
         (["--resume", "hi"], "--output, --resume, --overwrite and --batch-size go with --prompts"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import signal
@@ -103,12 +104,18 @@ def test_bad_input_before_loading(args, needles):
     assert_one_line_usage_error(invoke("generate", *args), *needles)
 
 
+def test_typers_pydantic_prefix_is_not_shown():
+    result = invoke("generate", "--policy", "foo", "hi")
+    assert_one_line_usage_error(result, "Invalid value for '--policy' / '-p': 'foo' is not one of 'epikv', 'epikv2'")
+
+
 @pytest.mark.parametrize(
     "args, input, needles",
     [
         (["-p", "epikv", "--budget", "20", "a long enough prompt"], None, ["--budget 20 is not larger than", "use --budget"]),
         ([""], None, ["prompt is empty"]),
-        (["-"], "   \n", ["prompt is empty"]),
+        (["-"], "   \n", ["stdin held no prompt text"]),
+        (["-"], "", ["stdin held no prompt text"]),
         (["-p", "epikv", "--bands", "0:+1,9:-1", "hi"], None, ["band layer 9 is out of range"]),
         (["--no-chat-template", "--system", "x", "hi"], None, ["--system needs a chat template"]),
     ],
@@ -237,6 +244,9 @@ def test_huge_max_new_tokens_allocates_as_the_cache_fills(tiny_model_dir, monkey
         (["--bands", "10:+2", "hi"], ["each SIGN is +1 or -1"]),
         (["--policy", "streaming", "--recent", "8", "hi"], ["--recent does not apply to policy 'streaming'"]),
         (["--policy", "full", "--recent", "8", "hi"], ["--recent does not apply to policy 'full'"]),
+        (["--budget", "99999999999999999999", "hi"], ["--budget must be at most 4611686018427387904 tokens"]),
+        (["--recent", "8", "--policy-option", "recent=0.5", "hi"], ["--recent and the option recent= both set"]),
+        (["--policy-option", "period=0", "hi"], ["epikv2 option period=0 is out of range"]),
         (["--panel", "--json", "hi"], ["--panel", "--json"]),
         (["--attn", "flash", "hi"], ["--attn"]),
         (["--overwrite", "hi"], ["--output, --resume, --overwrite and --batch-size go with --prompts"]),
@@ -298,6 +308,24 @@ def test_real_sigint_while_starting_up(tiny_model_dir):
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     assert err.decode().strip() == STARTUP_INTERRUPTED and out == b""
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_reader_that_closes_the_pipe_ends_the_run_quietly_with_141(tiny_model_dir, tmp_path, batch):
+    """``epikv generate ... | head -c 20``: the reader is gone before the first write; no traceback, no
+    "Exception ignored" at exit, and the shell's SIGPIPE status rather than 1 (a batch with failed prompts)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    source = ["--prompts", str(prompts)] if batch else ["hello"]
+    command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir), "-n", "8", "--ignore-eos", *source]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has already gone
+    try:
+        process = subprocess.run(command, stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert process.returncode == 141, process.stderr
+    assert b"Traceback" not in process.stderr and b"Exception ignored" not in process.stderr
 
 
 def suggested_budget(stderr: str) -> int:

@@ -49,10 +49,12 @@ def test_cli_default_model_json(demo):
     assert data["text"].strip()
 
 
-def test_gguf_file_loads_to_the_same_model(demo):
+def test_gguf_file_loads_to_the_same_model(demo, capfd):
     ids = build_input_ids(demo.tokenizer, "Name three colours.")
+    capfd.readouterr()
     gguf = load(ModelSettings(model=str(demo_gguf_path())))
     assert gguf.source.kind == "gguf"
+    assert capfd.readouterr().err == ""  # no de-quantisation progress bar: loading is quiet, as for safetensors
     runs = [
         Generation(m.model, m.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=12, ignore_eos=True))
         for m in (demo, gguf)

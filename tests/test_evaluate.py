@@ -94,7 +94,7 @@ def test_eval_end_to_end_with_scripted_answers(tiny_model_dir, tmp_path, monkeyp
         (["--dataset", "DATA", "--answer-field", "solution"], "no 'solution' field"),
         (["--dataset", "DATA", "--limit", "0"], "--limit must be at least 1"),
         (["--dataset", "DATA", "--budgets", "+x"], "is not a budget"),
-        (["--dataset", "/no/such.jsonl"], "prompt file not found"),
+        (["--dataset", "/no/such.jsonl"], "--dataset /no/such.jsonl: file not found"),
     ],
 )
 def test_bad_input(tiny_model_dir, tmp_path, args, needle):

@@ -161,7 +161,19 @@ def test_policy_options_are_typed_and_checked():
     assert parse_policy_spec("epikv2:period=8:decay=0.9") == ("epikv2", (("period", "8"), ("decay", "0.9")))
     policy = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("period", "8"),)))
     assert policy.period == 8 and policy.attention_needs.queries == 8
-    for bad, message in [((("speed", "9"),), "has no option 'speed'"), ((("period", "x"),), "must be a whole number"), ((("decay", "2"),), "0 < decay <= 1")]:
+    for bad, message in [
+        ((("speed", "9"),), "has no option 'speed'"),
+        ((("period", "x"),), "must be a whole number"),
+        ((("decay", "2"),), r"option decay=2.0 is out of range: it must be above 0 and at most 1"),
+        ((("decay", "nan"),), r"option decay=nan is out of range"),
+        ((("period", "0"),), r"option period=0 is out of range: it must be a number of steps, 1 or more"),
+        ((("recent", "1.5"),), r"option recent=1.5 is out of range: it must be a share of K .* or a whole number of tokens"),
+        ((("recent", "-1"),), r"option recent=-1.0 is out of range"),
+        ((("sinks", str(2**31)),), rf"option sinks={2**31} is out of range: it must be a number of tokens from 0 to {2**31 - 1}"),
+        ((("pool", "4"),), r"option pool=4 is out of range: it must be an odd number"),
+        ((("keep", "all"),), r"option keep='all' is out of range: it must be global, layer or head"),
+        ((("adapt", "1"), ("keep", "global")), "adapt=1 needs keep=layer or keep=head"),
+    ]:
         with pytest.raises(UsageError, match=message):
             make_policy(CacheSettings(budget=100, policy="epikv2", options=bad))
     with pytest.raises(UsageError, match="not KEY=VALUE"):
@@ -219,3 +231,25 @@ def test_pooling_over_positions_follows_logical_order_not_slots():
     scores = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.9])  # the token at position 2 (slot 4) was attended
     # kernel 3: positions 1, 2, 3 (slots 3, 4, 2) take 0.9; positions 0 and 4 (slots 1, 0) keep 0
     assert pooled_over_positions(scores, positions, 3).tolist() == pytest.approx([0.0, 0.0, 0.9, 0.9, 0.9])
+
+
+def test_epikv2_takes_recent_in_tokens_once():
+    """``--recent R`` is epikv2's ``recent=R`` in tokens; giving both is refused, not silently resolved."""
+    by_flag = make_policy(CacheSettings(budget=100, policy="epikv2", recent=30))
+    by_option = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("recent", "30"),)))
+    default = make_policy(CacheSettings(budget=100, policy="epikv2"))
+    assert by_flag.recent == by_option.recent == 30 and default.recent == 75
+    assert by_flag.min_budget(0) == 4 + 30 + 1
+    with pytest.raises(UsageError, match="--recent and the option recent= both set the recent window of 'epikv2'"):
+        CacheSettings(budget=100, policy="epikv2", recent=30, options=(("recent", "0.5"),))
+
+
+def test_epikv2_budget_advice_names_the_share_and_its_tokens():
+    policy = make_policy(CacheSettings(budget=5, policy="epikv2"))
+    with pytest.raises(UsageError) as refused:
+        policy.check_budget(10, 5)
+    # 4 sinks + round(0.75 K) + 1 <= K first holds at K = 19 (14 recent tokens there)
+    assert str(refused.value) == (
+        "--budget 5 is too small for epikv2, which keeps 4 sink tokens and 75% of K as its recent window "
+        "(14 tokens at K = 19); use --budget 19 or more"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epikv_cli.errors import UsageError
+from epikv_cli.policies import make_policy
 from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings, default_recent, parse_bands
 
 
@@ -105,8 +106,21 @@ def test_device_index_beyond_the_gpus(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["streaming", "full"])
 def test_recent_is_refused_where_it_means_nothing(policy):
-    with pytest.raises(UsageError, match=f"--recent does not apply to policy '{policy}'"):
+    with pytest.raises(UsageError, match=f"--recent does not apply to policy '{policy}'") as refused:
         CacheSettings(budget=None if policy == "full" else 64, policy=policy, recent=8)
+    assert str(refused.value).endswith("choose one of: epikv, epikv2, h2o, knorm, lagkv, random")
+
+
+@pytest.mark.parametrize("budget", [2**62 + 1, 10**20])
+def test_budgets_beyond_int64_positions_are_refused_with_the_way_out(budget):
+    with pytest.raises(UsageError, match=rf"--budget must be at most {2**62} tokens, got {budget}; for no eviction use --policy full"):
+        CacheSettings(budget=budget, policy="epikv2")
+    assert make_policy(CacheSettings(budget=2**62, policy="epikv2")).recent == 3 * 2**60
+
+
+def test_recent_windows_beyond_int32_are_refused():
+    with pytest.raises(UsageError, match=r"--recent must be at most 2147483647 tokens, got 2147483648"):
+        CacheSettings(budget=64, policy="epikv", recent=2**31)
 
 
 def test_tiny_temperatures_decode_greedily():

@@ -19,17 +19,32 @@ from conftest import tiny_model
 MODEL = tiny_model("llama", seed=1)
 
 
-def run_state(tokenizer, policy="epikv", threshold=1.0):
+def run_state(tokenizer, policy="epikv", threshold=1.0, with_result=False):
     ids = tokenizer("Hello there, tell me a story", return_tensors="pt")["input_ids"]
     budget = 40 if policy != "full" else None
     generation = Generation(
         MODEL, tokenizer, ids, CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].uses_recent else None),
         SamplingSettings(max_new_tokens=120, ignore_eos=True),
     )
-    state = PanelState(budget=budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores, spike_threshold=threshold)
+    state = PanelState(
+        budget=budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores, spike_threshold=threshold,
+        per_head=generation.policy_per_head,
+    )
     for event in generation:
         state.update(event)
-    return state
+    return (state, generation.result) if with_result else state
+
+
+def test_per_head_keep_sets_count_what_the_summary_counts(tokenizer):
+    """With a keep-set per KV head (epikv2's default) a position leaves the model only once every head dropped
+    it: the panel counts entries per head, as the summary does, and names the spans for what they are."""
+    state, result = run_state(tokenizer, policy="epikv2", with_result=True)
+    assert state.per_head and result.evicted == state.seen - 40  # one entry per head per step past K = 40
+    assert state.spans.total < result.evicted  # heads keep different tokens: fewer positions are gone from all
+    _, text = render(state, tokenizer)
+    assert f"evicted        {result.evicted} per KV head; by every head {state.spans.total}, in {len(state.spans)} spans" in text
+    assert "─ spans evicted by every KV head (newest first)" in text
+    assert not run_state(tokenizer, policy="streaming").per_head
 
 
 def render(state, tokenizer, terminal=False):

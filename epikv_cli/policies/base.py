@@ -93,6 +93,11 @@ class Policy(ABC):
         """Decoder blocks whose outputs :meth:`observe` needs."""
         return []
 
+    @classmethod
+    def takes_recent(cls) -> bool:
+        """Whether ``--recent`` sets a recent window of this policy."""
+        return cls.uses_recent
+
     @staticmethod
     def default_recent(budget: int) -> int:
         """R when ``--recent`` is not given: ``min(128, K // 4)`` (METHOD.md)."""

@@ -39,7 +39,7 @@ import torch
 from ..attention import AttentionNeeds
 from ..errors import UsageError
 from ..keepsets import HeadVictims, Shortlist, gone_positions
-from ..settings import CacheSettings
+from ..settings import MAX_TOKENS, CacheSettings
 from .base import Policy, Signals
 from .epikv import EpiKV
 from .keep_scored import CandidateHeap, ScoreBook
@@ -128,17 +128,25 @@ class EpiKV2(Policy):
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
         adapt: int = 0,
     ) -> None:
-        if (sinks < 0 or period < 1 or not 0 < decay <= 1 or recent < 0 or prompt not in ("score", "keep")
-                or signal not in ("attention", "epiphany", "none") or credit not in ("sum", "mean", "max") or values not in (0, 1) or pool < 1 or pool % 2 == 0):
-            raise UsageError(
-                "epikv2 options: sinks >= 0, period >= 1, 0 < decay <= 1, recent >= 0 (a share of K below 1, else tokens), "
-                "prompt score|keep, signal attention|epiphany|none, credit sum|mean|max, values 0|1, pool an odd number >= 1, "
-                "keep global|layer|head"
-            )
-        if keep not in ("global", "layer", "head"):
-            raise UsageError(f"epikv2 option keep={keep!r}: use global, layer or head")
-        if adapt not in (0, 1) or (adapt and keep == "global"):
-            raise UsageError("epikv2 option adapt: 0 or 1, and 1 only with keep=layer or keep=head")
+        rules = (
+            ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
+            ("recent", recent, 0 <= recent < 1 or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
+             f"a share of K from 0 to below 1, or a whole number of tokens up to {MAX_TOKENS}"),
+            ("period", period, 1 <= period <= MAX_TOKENS, "a number of steps, 1 or more"),
+            ("decay", decay, 0 < decay <= 1, "above 0 and at most 1 (1 keeps every refresh)"),
+            ("prompt", prompt, prompt in ("score", "keep"), "score or keep"),
+            ("signal", signal, signal in ("attention", "epiphany", "none"), "attention, epiphany or none"),
+            ("credit", credit, credit in ("sum", "mean", "max"), "sum, mean or max"),
+            ("values", values, values in (0, 1), "0 or 1"),
+            ("pool", pool, 1 <= pool <= MAX_TOKENS and pool % 2 == 1, "an odd number, 1 or more"),
+            ("keep", keep, keep in ("global", "layer", "head"), "global, layer or head"),
+            ("adapt", adapt, adapt in (0, 1), "0 or 1"),
+        )
+        for option, value, valid, allowed in rules:
+            if not valid:
+                raise UsageError(f"epikv2 option {option}={value!r} is out of range: it must be {allowed}")
+        if adapt and keep == "global":
+            raise UsageError("epikv2 option adapt=1 needs keep=layer or keep=head")
         if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
             raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the others")
         self.sinks = sinks
@@ -177,8 +185,15 @@ class EpiKV2(Policy):
         return self.epiphany.tap_layers() if self.epiphany is not None else []
 
     @classmethod
+    def takes_recent(cls) -> bool:
+        return True  # --recent R is the recent option in tokens
+
+    @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV2:
-        return cls(settings.budget or 0, **cls.options_from(settings))
+        options = cls.options_from(settings)
+        if settings.recent is not None:  # settings refuse --recent together with recent=
+            options["recent"] = float(settings.recent)
+        return cls(settings.budget or 0, **options)
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """At the prefill and every ``period`` steps: the stored queries' attention to each live slot,
@@ -337,7 +352,11 @@ class EpiKV2(Policy):
         return budget
 
     def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        what = f"{self.sinks} sink tokens and a {self.recent_for(needed)}-token recent window"
+        if self.recent_share < 1:
+            window = f"{self.recent_share:.0%} of K as its recent window ({self.recent_for(needed)} tokens at K = {needed})"
+        else:
+            window = f"a {self.recent_for(needed)}-token recent window"
+        what = f"{self.sinks} sink tokens and {window}"
         if self.keep_prompt:
             what += f" and the {prompt_len}-token prompt"
         return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
