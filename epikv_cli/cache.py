@@ -392,7 +392,11 @@ class BudgetCache(Cache):
 
     @property
     def stored(self) -> int:
-        """Live entries in every evicting layer."""
+        """Live entries in every evicting layer (a model without one, under policy ``full``: what its first
+        layer holds, a sliding window's worth at most)."""
+        if self._first_budget_layer is None:
+            layer = self.layers[0]
+            return layer.keys.shape[-2] if getattr(layer, "is_initialized", False) and layer.keys is not None else 0
         return self.table.stored
 
     @property
@@ -405,6 +409,8 @@ class BudgetCache(Cache):
     def live_positions(self) -> torch.Tensor:
         """``[stored]`` logical positions of the live slots (CPU, int64), in slot order while a forward's
         policy runs (between forwards the free slot, if any, is left out)."""
+        if self._first_budget_layer is None:  # nothing evicts: the newest ``stored`` positions, in order
+            return torch.arange(self.seen - self.stored, self.seen)
         return self.table.live_positions()
 
     def slots_of(self, positions: list[int]) -> list[int]:

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from .cache import HEADROOM
+from .errors import UsageError
 from .hostread import host_copies
 from .memory import peak_memory, reset_peak
 from .policies import POLICIES, make_policy
@@ -262,6 +263,11 @@ class Generation:
         self.model = model
         self.keep_logits = keep_logits
         self.tokenizer = tokenizer
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise UsageError(
+                f"Generation decodes one sequence: input_ids must be [1, prompt_len], got {list(input_ids.shape)}; "
+                "for a batch, use epikv_cli.attach(model, ..., batch_size=N) with model.generate"
+            )
         self.input_ids = input_ids
         self.cache_settings = cache
         self.sampling = sampling

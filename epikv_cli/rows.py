@@ -212,6 +212,16 @@ class RowsCache(Cache):
         """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ``policy``, ...)."""
         return RowView(self, index)
 
+    def reset(self) -> None:
+        """Empty the cache for a new batch: every row, its slots and policy, and the step's write plan."""
+        self.rows = []
+        for layer in self.layers:
+            layer.keys = layer.values = None
+        self.step_rows, self.step_capacity, self.step_lengths = {}, {}, {}
+        self.step_head_rows = None
+        self.prefilling = False
+        self.prefill_length = 0
+
     def keep_rows(self, keep: list[int]) -> None:
         """Drop every row not in ``keep`` (finished sequences), in that order."""
         index = torch.tensor(keep, dtype=torch.long)

@@ -13,6 +13,7 @@ each row with its own keep-set, scores and positions (:class:`BatchSession`).
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -282,13 +283,55 @@ def attach(
         batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
         options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
+    if isinstance(bands, list):  # pairs as a list (of lists) read as the tuples CacheSettings holds
+        bands = tuple(tuple(band) if isinstance(band, list) else band for band in bands)
     settings = CacheSettings(
         budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed,
         options=tuple((key, str(value)) for key, value in (options or {}).items()),
     )
     if batch_size == 1:
-        with EpiKVSession(model, settings) as session:
+        with EpiKVSession(model, settings) as session, guarded_generate(model, session.cache):
             yield session.cache
         return
-    with BatchSession(model, settings, batch_size) as session:
+    with BatchSession(model, settings, batch_size) as session, guarded_generate(model, session.cache):
         yield session.cache
+
+
+def holds_tokens(cache: BudgetCache | RowsCache) -> bool:
+    """Whether ``cache`` already holds a sequence (a batch cache: any row)."""
+    rows = getattr(cache, "rows", None)
+    return bool(rows) if rows is not None else cache.seen > 0
+
+
+@contextmanager
+def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterator[None]:
+    """While attached, ``model.generate`` on ``cache`` refuses, with a :class:`UsageError` naming the cause,
+    what the cache cannot serve: a second call while it still holds the first call's sequence (generate
+    would feed it only the tail of the new prompt), ``use_cache=False``, and beam search."""
+    outer = model.__dict__.get("generate")  # an enclosing attach's guard, if any
+    inner = model.generate
+
+    @functools.wraps(inner)
+    def generate(*args, **kwargs):
+        if kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache:
+            config = kwargs.get("generation_config")
+            beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
+            if kwargs.get("use_cache") is False:
+                raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
+            if beams > 1:
+                raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
+            if holds_tokens(cache):
+                raise UsageError(
+                    "this EpiKV cache still holds the sequence of an earlier generate call; attach a new cache "
+                    "for each call, or call cache.reset() first"
+                )
+        return inner(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if outer is None:
+            del model.generate
+        else:
+            model.generate = outer

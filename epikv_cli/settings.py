@@ -131,6 +131,15 @@ class CacheSettings:
             raise UsageError(
                 f"unknown policy {self.policy!r}; choose one of: {', '.join(sorted(POLICIES))}"
             )
+        for option, value in (("--budget", self.budget), ("--recent", self.recent), ("--seed", self.seed)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UsageError(f"{option} must be a whole number, got {value!r}")
+        if self.bands is not None and not (
+            isinstance(self.bands, tuple)
+            and all(isinstance(band, tuple) and len(band) == 2 and isinstance(band[0], int) and not isinstance(band[0], bool)
+                    and band[0] >= 0 and band[1] in (1, -1) for band in self.bands)
+        ):
+            raise UsageError(f"--bands must be (layer, sign) pairs with sign +1 or -1, e.g. ((10, 1), (21, -1)); got {self.bands!r}")
         if self.budget is not None and self.budget < 1:
             raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
         if self.budget is not None and self.budget > MAX_BUDGET:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from epikv_cli.engine import Generation, build_logits_processors
+from epikv_cli.errors import UsageError
 from epikv_cli.settings import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
@@ -112,3 +114,8 @@ def test_a_prompt_longer_than_the_slot_headroom_and_the_budget_is_cut_at_the_pre
             assert len(evicted) == 302 - 64, policy  # positions 0-301 were fed (the last token is not)
         if policy == "streaming":  # the 4 sinks and the newest 60 stay
             assert sorted(evicted) == list(range(4, 242))
+
+
+def test_a_batch_of_input_ids_is_refused_with_the_batched_way(tokenizer):
+    with pytest.raises(UsageError, match=r"Generation decodes one sequence: input_ids must be \[1, prompt_len\], got \[2, 8\]"):
+        Generation(MODEL, tokenizer, torch.cat([IDS, IDS]), CacheSettings(budget=24), SamplingSettings(max_new_tokens=3))

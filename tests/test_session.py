@@ -61,10 +61,28 @@ def test_prompt_longer_than_the_budget_is_refused():
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
 
 
-def test_beam_search_is_refused():
+def test_beam_search_and_no_cache_are_refused_by_name():
     with epikv_cli.attach(MODEL, budget=64) as cache:
-        with pytest.raises(Exception, match="one sequence"):
+        with pytest.raises(UsageError, match="does no beam search; use num_beams=1, not 2"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, num_beams=2, **GEN)
+        with pytest.raises(UsageError, match="drop use_cache=False"):
+            MODEL.generate(IDS, cache=cache, max_new_tokens=5, use_cache=False, **GEN)
+
+
+@pytest.mark.parametrize("second_length", [IDS.shape[1] - 3, IDS.shape[1], IDS.shape[1] + 4])
+def test_a_second_generate_on_a_used_cache_is_refused_until_reset(second_length):
+    """generate would feed a used cache only the tail of the next prompt (or nothing): refuse it by name;
+    after reset() the cache serves the next call exactly as a fresh one does."""
+    second = torch.arange(3, 3 + second_length).unsqueeze(0)
+    with epikv_cli.attach(MODEL, budget=16, policy="streaming") as fresh:
+        expected = MODEL.generate(second, cache=fresh, max_new_tokens=12, **GEN)
+    with epikv_cli.attach(MODEL, budget=16, policy="streaming") as cache:
+        MODEL.generate(IDS, cache=cache, max_new_tokens=12, **GEN)
+        with pytest.raises(UsageError, match="still holds the sequence of an earlier generate call"):
+            MODEL.generate(second, cache=cache, max_new_tokens=12, **GEN)
+        cache.reset()
+        assert torch.equal(MODEL.generate(second, cache=cache, max_new_tokens=12, **GEN), expected)
+    assert "generate" not in MODEL.__dict__  # detaching restores the model's own generate
 
 
 def test_chunked_prefill_is_refused():
@@ -80,6 +98,24 @@ def test_models_with_only_sliding_layers_are_refused():
             pass
     with epikv_cli.attach(mistral, budget=None, policy="full") as cache:
         mistral.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
+
+
+@pytest.mark.parametrize("window", [64, 8])
+def test_full_on_a_sliding_only_model_reports_what_its_layers_hold(window):
+    """No layer evicts, so the figures come from the sliding layers themselves: compared with what
+    transformers' own DynamicCache holds after the same generate."""
+    from transformers import DynamicCache
+
+    mistral = tiny_model("mistral", sliding_window=window)
+    reference = DynamicCache(config=mistral.config)
+    mistral.generate(IDS, cache=reference, max_new_tokens=20, **GEN)
+    held = reference.layers[0].keys.shape[-2]
+    with epikv_cli.attach(mistral, budget=None, policy="full") as cache:
+        mistral.generate(IDS, cache=cache, max_new_tokens=20, **GEN)
+    assert cache.seen == IDS.shape[1] + 19  # the last token is sampled, not fed back
+    assert cache.stored == held and cache.peak_stored == held
+    assert held == cache.seen if window > cache.seen else held < cache.seen  # the window bounds it
+    assert cache.live_positions().tolist() == list(range(cache.seen - held, cache.seen))
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])

@@ -99,6 +99,23 @@ def test_right_padding_and_a_wrong_batch_size_are_refused():
             model.generate(ids, cache=cache, max_new_tokens=3, **GEN)
 
 
+@pytest.mark.parametrize("policy", ["streaming", "epikv2"])
+def test_a_batch_cache_refuses_a_second_generate_and_serves_it_after_reset(policy):
+    """A second call on a used batch cache used to continue the old rows with generate's one-token tail of
+    the new prompts (wrong tokens, no error); after reset() the rows start afresh."""
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded([torch.arange(3, 3 + n) for n in (12, 7, 15)])
+    with epikv_cli.attach(model, budget=22, policy=policy, batch_size=3) as fresh:
+        expected = generate(model, ids, mask, fresh)
+    with epikv_cli.attach(model, budget=22, policy=policy, batch_size=3) as cache:
+        generate(model, ids, mask, cache)
+        with pytest.raises(UsageError, match="still holds the sequence of an earlier generate call"):
+            generate(model, ids, mask, cache)
+        cache.reset()
+        again = generate(model, ids, mask, cache)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_padded_batch_under_granular_epikv2_equals_each_prompt_alone(arch):
     """The batched prefill hands each row its own per (layer, KV head) keep-sets."""

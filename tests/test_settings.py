@@ -129,3 +129,31 @@ def test_tiny_temperatures_decode_greedily():
     assert not SamplingSettings(temperature=1e-5).greedy
     with pytest.raises(UsageError, match="only apply when sampling"):
         SamplingSettings(temperature=1e-9, top_k=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=24.0), "--budget must be a whole number, got 24.0"),
+        (dict(budget=True), "--budget must be a whole number, got True"),
+        (dict(budget="16"), "--budget must be a whole number, got '16'"),
+        (dict(budget=64, policy="epikv", recent=2.5), "--recent must be a whole number, got 2.5"),
+        (dict(budget=64, seed="a"), "--seed must be a whole number, got 'a'"),
+        (dict(budget=64, policy="epikv", bands=((0, 2.0),)), "--bands must be (layer, sign) pairs with sign +1 or -1"),
+        (dict(budget=64, policy="epikv", bands="10:+1"), "--bands must be (layer, sign) pairs"),
+    ],
+)
+def test_python_callers_get_the_type_named_not_a_torch_error(kwargs, message):
+    with pytest.raises(UsageError) as refused:
+        CacheSettings(**kwargs)
+    assert str(refused.value).startswith(message)
+
+
+def test_attach_takes_bands_as_lists_too():
+    import epikv_cli
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    with epikv_cli.attach(model, budget=64, policy="epikv", bands=[[0, 1], [1, -1]]) as cache:
+        assert [(band.layer, band.sign) for band in cache.policy.bands] == [(0, 1.0), (1, -1.0)]
