@@ -161,15 +161,17 @@ class EpikvGroup(TyperGroup):
     def format_help(self, ctx, formatter) -> None:
         formatter.write(render_help(ctx, self))
 
+    def make_context(self, *args, **kwargs):  # parsing runs the eager options: --help, --version
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            _reader_gone()
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except BrokenPipeError:
-            # nothing more can reach the reader; point stdout at /dev/null so the exit's flush cannot fail again
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-            sys.exit(EXIT_BROKEN_PIPE)
+            _reader_gone()
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -191,9 +193,22 @@ class EpikvGroup(TyperGroup):
         except (UsageError, ModelLoadError) as error:
             _fail(str(error))
         code = code if isinstance(code, int) else 0
+        try:  # what is still buffered (a --json object, the help) reaches the reader now, or the reader is gone
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _reader_gone() -> None:
+    """stdout's reader closed the pipe: point stdout at /dev/null (so the exit's own flush cannot fail again)
+    and exit quietly with 141, the status a shell gives a tool that SIGPIPE ended."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(EXIT_BROKEN_PIPE)
 
 
 app = typer.Typer(

@@ -276,15 +276,14 @@ def attach(
     Args:
         budget: K, prompt included; ``None`` only with ``policy="full"``.
         policy: a name from ``epikv_cli.policies.POLICIES``.
-        recent: R, generated tokens always kept; default ``min(128, K // 4)``.
+        recent: R, the most recent tokens always kept; default: the policy's own (``min(128, K // 4)`` for
+            epikv, 75% of K for epikv2, ``min(128, K - 4)`` for h2o).
         bands: EpiKV ``(layer, sign)`` pairs; default the paper's depth fractions.
         positions: ``"logical"`` (default) or ``"compressed"`` (paper-time harness).
         seed: for ``policy="random"``.
         batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
         options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
-    if isinstance(bands, list):  # pairs as a list (of lists) read as the tuples CacheSettings holds
-        bands = tuple(tuple(band) if isinstance(band, list) else band for band in bands)
     settings = CacheSettings(
         budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed,
         options=tuple((key, str(value)) for key, value in (options or {}).items()),
@@ -303,27 +302,35 @@ def holds_tokens(cache: BudgetCache | RowsCache) -> bool:
     return bool(rows) if rows is not None else cache.seen > 0
 
 
+def continues(cache: BudgetCache | RowsCache, args: tuple, kwargs: dict) -> bool:
+    """Whether generate's inputs are the cached sequence plus the one token sampled last (the previous call's
+    output, passed back to go on): generate then feeds only that token, which the cache can take."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    return isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == cache.get_seq_length() + 1
+
+
 @contextmanager
 def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterator[None]:
     """While attached, ``model.generate`` on ``cache`` refuses, with a :class:`UsageError` naming the cause,
-    what the cache cannot serve: a second call while it still holds the first call's sequence (generate
-    would feed it only the tail of the new prompt), ``use_cache=False``, and beam search."""
+    what the cache cannot serve: a new prompt while it still holds an earlier call's sequence (generate
+    would feed it only the part of the prompt beyond the cached length), ``use_cache=False``, and beam
+    search. Passing the previous call's output back, to go on generating, is a continuation and runs."""
     outer = model.__dict__.get("generate")  # an enclosing attach's guard, if any
     inner = model.generate
 
     @functools.wraps(inner)
     def generate(*args, **kwargs):
         if kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache:
-            config = kwargs.get("generation_config")
-            beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
-            if kwargs.get("use_cache") is False:
+            config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+            beams = kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
+            if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
                 raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
             if beams > 1:
                 raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
-            if holds_tokens(cache):
+            if holds_tokens(cache) and not continues(cache, args, kwargs):
                 raise UsageError(
-                    "this EpiKV cache still holds the sequence of an earlier generate call; attach a new cache "
-                    "for each call, or call cache.reset() first"
+                    "this EpiKV cache still holds the sequence of an earlier generate call, and these inputs do not "
+                    "continue it; attach a new cache for each new prompt, or call cache.reset() first"
                 )
         return inner(*args, **kwargs)
 

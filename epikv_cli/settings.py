@@ -6,6 +6,7 @@ Every check raises :class:`~epikv_cli.errors.UsageError` with a message fit for 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -79,6 +80,35 @@ def list_items(text: str, option: str) -> list[str]:
     return items
 
 
+def whole_number(option: str, value) -> int:
+    """``value`` as an int (anything ``operator.index`` takes, bools excepted), or :class:`UsageError`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise UsageError(f"{option} must be a whole number, got {value!r}") from None
+
+
+def checked_bands(bands) -> tuple[tuple[int, float], ...]:
+    """``bands`` as ``((layer, sign), ...)`` with whole layers from 0 and signs +1 or -1, or :class:`UsageError`."""
+    refused = UsageError(f"--bands must be (layer, sign) pairs with sign +1 or -1, e.g. ((10, 1), (21, -1)); got {bands!r}")
+    if isinstance(bands, (str, bytes)) or not isinstance(bands, (tuple, list)):
+        raise refused
+    checked = []
+    for band in bands:
+        if isinstance(band, (str, bytes)) or not isinstance(band, (tuple, list)) or len(band) != 2 or band[1] not in (1, -1):
+            raise refused
+        try:
+            layer = whole_number("--bands", band[0])
+        except UsageError:
+            raise refused from None
+        if layer < 0:
+            raise refused
+        checked.append((layer, float(band[1])))
+    return tuple(checked)
+
+
 def recent_window_policies() -> list[str]:
     """Names of the policies that take ``--recent``, sorted."""
     from .policies import POLICIES  # late import: policies import settings
@@ -108,7 +138,8 @@ class CacheSettings:
         budget: K, the most entries an evicting layer holds after each step (prompt included);
             ``None`` means unbounded (policy ``full``).
         policy: a name from :data:`epikv_cli.policies.POLICIES`.
-        recent: R, generated tokens always kept; ``None`` means ``min(128, K // 4)``.
+        recent: R, the most recent tokens always kept; ``None`` means the policy's own default
+            (``min(128, K // 4)`` for epikv, 75% of K for epikv2).
         bands: ``(layer, sign)`` pairs for ``epikv``; ``None`` means the depth-fraction default.
         positions: ``logical`` (true absolute index) or ``compressed`` (next position = stored length,
             the paper-time harness).
@@ -131,15 +162,12 @@ class CacheSettings:
             raise UsageError(
                 f"unknown policy {self.policy!r}; choose one of: {', '.join(sorted(POLICIES))}"
             )
-        for option, value in (("--budget", self.budget), ("--recent", self.recent), ("--seed", self.seed)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise UsageError(f"{option} must be a whole number, got {value!r}")
-        if self.bands is not None and not (
-            isinstance(self.bands, tuple)
-            and all(isinstance(band, tuple) and len(band) == 2 and isinstance(band[0], int) and not isinstance(band[0], bool)
-                    and band[0] >= 0 and band[1] in (1, -1) for band in self.bands)
-        ):
-            raise UsageError(f"--bands must be (layer, sign) pairs with sign +1 or -1, e.g. ((10, 1), (21, -1)); got {self.bands!r}")
+        for name, option in (("budget", "--budget"), ("recent", "--recent"), ("seed", "--seed")):
+            value = getattr(self, name)
+            if value is not None:  # numpy and torch integers are whole numbers too; bools and floats are not
+                object.__setattr__(self, name, whole_number(option, value))
+        if self.bands is not None:
+            object.__setattr__(self, "bands", checked_bands(self.bands))
         if self.budget is not None and self.budget < 1:
             raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
         if self.budget is not None and self.budget > MAX_BUDGET:

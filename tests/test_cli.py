@@ -328,6 +328,18 @@ def test_a_reader_that_closes_the_pipe_ends_the_run_quietly_with_141(tiny_model_
     assert b"Traceback" not in process.stderr and b"Exception ignored" not in process.stderr
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["generate", "--help"]])
+def test_eager_options_to_a_closed_pipe_exit_141_too(args):
+    """--help and --version print while the arguments are parsed, before any command runs."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run([sys.executable, "-m", "epikv_cli", *args], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert process.returncode == 141 and process.stderr == b"", process.stderr
+
+
 def suggested_budget(stderr: str) -> int:
     return int(re.search(r"use --budget (\d+) or more", stderr).group(1))
 

@@ -169,6 +169,7 @@ def test_policy_options_are_typed_and_checked():
         ((("period", "0"),), r"option period=0 is out of range: it must be a number of steps, 1 or more"),
         ((("recent", "1.5"),), r"option recent=1.5 is out of range: it must be a share of K .* or a whole number of tokens"),
         ((("recent", "-1"),), r"option recent=-1.0 is out of range"),
+        ((("recent", "0.995"),), r"option recent=0.995 is out of range: it must be a share of K from 0 to 0.99"),
         ((("sinks", str(2**31)),), rf"option sinks={2**31} is out of range: it must be a number of tokens from 0 to {2**31 - 1}"),
         ((("pool", "4"),), r"option pool=4 is out of range: it must be an odd number"),
         ((("keep", "all"),), r"option keep='all' is out of range: it must be global, layer or head"),

@@ -85,6 +85,16 @@ def test_a_second_generate_on_a_used_cache_is_refused_until_reset(second_length)
     assert "generate" not in MODEL.__dict__  # detaching restores the model's own generate
 
 
+def test_passing_the_output_back_continues_the_same_sequence():
+    """generate(out, cache=cache) after generate(IDS, cache=cache) is a continuation (generate feeds only the
+    token sampled last): it runs, and equals one call of the combined length."""
+    with epikv_cli.attach(MODEL, budget=16, policy="streaming") as cache:
+        whole = MODEL.generate(IDS, cache=cache, max_new_tokens=24, **GEN)
+    with epikv_cli.attach(MODEL, budget=16, policy="streaming") as cache:
+        first = MODEL.generate(IDS, cache=cache, max_new_tokens=12, **GEN)
+        assert torch.equal(MODEL.generate(first, cache=cache, max_new_tokens=12, **GEN), whole)
+
+
 def test_chunked_prefill_is_refused():
     with epikv_cli.attach(MODEL, budget=64) as cache:
         with pytest.raises(UsageError, match="whole prompt in the first forward"):

@@ -157,3 +157,12 @@ def test_attach_takes_bands_as_lists_too():
     model = tiny_model("llama", seed=3)
     with epikv_cli.attach(model, budget=64, policy="epikv", bands=[[0, 1], [1, -1]]) as cache:
         assert [(band.layer, band.sign) for band in cache.policy.bands] == [(0, 1.0), (1, -1.0)]
+
+
+def test_numpy_and_torch_integers_are_whole_numbers():
+    import numpy as np
+    import torch
+
+    settings = CacheSettings(budget=np.int64(64), policy="epikv", recent=torch.tensor(8), seed=np.int32(3), bands=((np.int64(0), 1),))
+    assert (settings.budget, settings.recent, settings.seed, settings.bands) == (64, 8, 3, ((0, 1.0),))
+    assert all(type(value) is int for value in (settings.budget, settings.recent, settings.seed, settings.bands[0][0]))

@@ -108,6 +108,11 @@ def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel:
     return out
 
 
+#: The largest recent share of K: the smallest workable K grows as 1 / (1 - share), so a share a hair below
+#: 1 would ask for billions of tokens (and min_budget would climb to them step by step).
+MAX_SHARE = 0.99
+
+
 class EpiKV2(Policy):
     """Sinks, a recent share of the budget, then the most attention received from recent queries."""
 
@@ -130,8 +135,8 @@ class EpiKV2(Policy):
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
-            ("recent", recent, 0 <= recent < 1 or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
-             f"a share of K from 0 to below 1, or a whole number of tokens up to {MAX_TOKENS}"),
+            ("recent", recent, 0 <= recent <= MAX_SHARE or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
+             f"a share of K from 0 to {MAX_SHARE}, or a whole number of tokens up to {MAX_TOKENS}"),
             ("period", period, 1 <= period <= MAX_TOKENS, "a number of steps, 1 or more"),
             ("decay", decay, 0 < decay <= 1, "above 0 and at most 1 (1 keeps every refresh)"),
             ("prompt", prompt, prompt in ("score", "keep"), "score or keep"),
