@@ -37,7 +37,7 @@ from .engine import Generation
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
 from .generate import NO_TEMPLATE_NOTE
 from .models import load
-from .prompts import build_input_ids, decode_text, has_chat_template
+from .prompts import build_input_ids, decode_text, has_chat_template, no_prompts, prompt_file_missing
 from .scaleout import PeerFailed, Ranks
 from .settings import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from .ui import progress_bar
@@ -103,9 +103,7 @@ class BatchFiles:
             try:
                 mode = prompts.stat().st_mode
             except FileNotFoundError:
-                raise UsageError(
-                    f"{option} {prompts}: file not found; give a plain-text file (one prompt per line) or a JSONL file"
-                ) from None
+                raise prompt_file_missing(option, prompts) from None
             except OSError as error:
                 raise UsageError(f"cannot read the prompt file {prompts}: {error.strerror}") from None
             if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
@@ -248,7 +246,7 @@ def read_prompt_file(source: Path, cache: CacheSettings | None = None, sampling:
     raw = _read_bytes(source).removeprefix(b"\xef\xbb\xbf").split(b"\n")
     numbered = [(n, line.rstrip(b"\r")) for n, line in enumerate(raw, 1) if line.strip()]
     if not numbered:
-        raise UsageError(f"{source} holds no prompts; write one per line (or one JSON object per line)")
+        raise no_prompts(source)
     jsonl = source.suffix == ".jsonl" or all(line.lstrip().startswith(b"{") for _, line in numbered)
     items = []
     for number, data in numbered:

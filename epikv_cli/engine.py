@@ -277,7 +277,7 @@ class Generation:
         #: whether the policy gives each token a frozen score (the panel's sparkline)
         self.policy_has_scores = POLICIES[cache.policy].has_scores
         #: whether each KV head keeps its own set (a position leaves the model only when every head dropped it)
-        self.policy_per_head = make_policy(cache).granular if cache.budget is not None else False
+        self.policy_per_head = make_policy(cache).granular
         #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts
         self.bands_description: str | None = None
 

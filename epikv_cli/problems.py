@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import UsageError
-from .prompts import build_input_ids, decode_text, has_chat_template
+from .prompts import build_input_ids, decode_text, has_chat_template, no_prompts, prompt_file_missing
 from .settings import PromptSettings
 
 PROTOCOL_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -75,7 +75,7 @@ def load_problems(
     if offset < 0:
         raise UsageError(f"--offset must be 0 or more, got {offset}")
     if not source.is_file():
-        raise UsageError(f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file")
+        raise prompt_file_missing(option, source)
     try:
         lines = source.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
@@ -88,7 +88,7 @@ def load_problems(
     if not numbered:
         if offset:
             raise UsageError(f"{source} holds no prompts from --offset {offset} on; give a smaller --offset")
-        raise UsageError(f"{source} holds no prompts; write one per line (or one JSON object per line)")
+        raise no_prompts(source)
     if not jsonl:
         return [Problem(n, n, prompt=line) for n, line in numbered]
     problems = []

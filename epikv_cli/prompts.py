@@ -32,6 +32,16 @@ def has_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
+def prompt_file_missing(option: str, source) -> UsageError:
+    """The error for a prompt file (named by ``option``) that does not exist."""
+    return UsageError(f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file")
+
+
+def no_prompts(source) -> UsageError:
+    """The error for a prompt file that holds nothing but blank lines."""
+    return UsageError(f"{source} holds no prompts; write one per line (or one JSON object per line)")
+
+
 def require_text(prompt: str | None) -> str:
     """``prompt`` itself, or :class:`UsageError` when it is missing or blank."""
     if prompt is None or not prompt.strip():
