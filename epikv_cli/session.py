@@ -302,11 +302,15 @@ def holds_tokens(cache: BudgetCache | RowsCache) -> bool:
     return bool(rows) if rows is not None else cache.seen > 0
 
 
-def continues(cache: BudgetCache | RowsCache, args: tuple, kwargs: dict) -> bool:
+def continues(cache: BudgetCache | RowsCache, args: tuple, kwargs: dict, previous: torch.Tensor | None = None) -> bool:
     """Whether generate's inputs are the cached sequence plus the one token sampled last (the previous call's
-    output, passed back to go on): generate then feeds only that token, which the cache can take."""
+    output, passed back to go on): generate then feeds only that token, which the cache can take.
+    ``previous``: the sequences the call that filled the cache returned (None: unknown, the length decides)."""
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    return isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == cache.get_seq_length() + 1
+    if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == cache.get_seq_length() + 1):
+        return False
+    # a new prompt may have just that length: only the output itself continues
+    return previous is None or (inputs.shape == previous.shape and torch.equal(inputs, previous.to(inputs.device)))
 
 
 @contextmanager
@@ -317,22 +321,30 @@ def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterat
     search. Passing the previous call's output back, to go on generating, is a continuation and runs."""
     outer = model.__dict__.get("generate")  # an enclosing attach's guard, if any
     inner = model.generate
+    last: dict = {}  # what the latest call on this cache returned, and the cached length it left
 
     @functools.wraps(inner)
     def generate(*args, **kwargs):
-        if kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache:
-            config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-            beams = kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
-            if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
-                raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
-            if beams > 1:
-                raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
-            if holds_tokens(cache) and not continues(cache, args, kwargs):
+        if not (kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache):
+            return inner(*args, **kwargs)
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        beams = kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
+        if beams > 1:
+            raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
+        if holds_tokens(cache):
+            # the output recorded is the cache's only while the cache still holds what that call left
+            previous = last.get("sequences") if last.get("length") == cache.get_seq_length() else None
+            if not continues(cache, args, kwargs, previous):
                 raise UsageError(
                     "this EpiKV cache still holds the sequence of an earlier generate call, and these inputs do not "
                     "continue it; attach a new cache for each new prompt, or call cache.reset() first"
                 )
-        return inner(*args, **kwargs)
+        output = inner(*args, **kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+        last.update(sequences=sequences, length=cache.get_seq_length())
+        return output
 
     model.generate = generate
     try:

@@ -69,7 +69,8 @@ def test_beam_search_and_no_cache_are_refused_by_name():
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, use_cache=False, **GEN)
 
 
-@pytest.mark.parametrize("second_length", [IDS.shape[1] - 3, IDS.shape[1], IDS.shape[1] + 4])
+# the last: one more than the 21 tokens cached, the length of a continuation (generate's output passed back)
+@pytest.mark.parametrize("second_length", [IDS.shape[1] - 3, IDS.shape[1], IDS.shape[1] + 4, IDS.shape[1] + 12])
 def test_a_second_generate_on_a_used_cache_is_refused_until_reset(second_length):
     """generate would feed a used cache only the tail of the next prompt (or nothing): refuse it by name;
     after reset() the cache serves the next call exactly as a fresh one does."""
