@@ -173,6 +173,9 @@ def compile_forward(model) -> None:
     compiled graph. On CUDA with ``reduce-overhead`` (CUDA graphs): once a budgeted cache is full every
     decode step has the same shapes, K + 1 entries, and replays one captured graph."""
     mode = "reduce-overhead" if next(model.parameters()).is_cuda else None
+    # Sessions add and remove hooks on the decoder blocks (hidden-state taps) after the first compile: guard on
+    # them, so that a changed set recompiles instead of running the graph traced with the old ones
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     model.forward = torch.compile(model.forward, mode=mode)
 
 

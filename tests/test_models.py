@@ -77,6 +77,29 @@ def test_unknown_attn_is_a_usage_error():
         choose_attn("paged", on_cuda=False, flash_available=False, model_type="llama", dtype=None)
 
 
+def test_a_compiled_forward_runs_the_hooks_of_sessions_attached_after_it_was_traced():
+    """The first compile traced a forward without hidden-state taps (streaming needs none); epikv then hooks
+    the decoder blocks. Its hooks must run (the graph recompiles), giving the tokens of the plain forward."""
+    import epikv_cli
+    from conftest import tiny_model
+    from epikv_cli.models import compile_forward
+
+    model = tiny_model("llama", seed=5)
+    ids = torch.arange(3, 13).unsqueeze(0)
+    options = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def tokens(policy: str) -> torch.Tensor:
+        with epikv_cli.attach(model, budget=30, policy=policy) as cache:
+            out = model.generate(ids, cache=cache, **options)
+            assert cache.evicted_total > 0
+            return out
+
+    plain = {policy: tokens(policy) for policy in ("streaming", "epikv")}
+    compile_forward(model)
+    for policy in ("streaming", "epikv"):
+        assert torch.equal(tokens(policy), plain[policy]), policy
+
+
 def test_compiled_forward_gives_the_same_greedy_tokens(tiny_model_dir):
     """--compile: torch.compile around the forward, eviction outside it; identical greedy tokens (CPU here)."""
     import json
