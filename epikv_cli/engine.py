@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -345,6 +346,10 @@ class Generation:
                 self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory)
 
     def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory):
+        if sys.is_finalizing():
+            # a generation left unfinished and collected as the interpreter exits: nobody can read its result, and
+            # making tensors then (the token ids below) aborts the process inside PyTorch
+            return
         elapsed = time.perf_counter() - start
         decode_seconds = max(elapsed - prefill_seconds, 0.0) if generated else 0.0
         token_ids = sequence.ids[0, prompt_len:].tolist()

@@ -119,3 +119,30 @@ def test_a_prompt_longer_than_the_slot_headroom_and_the_budget_is_cut_at_the_pre
 def test_a_batch_of_input_ids_is_refused_with_the_batched_way(tokenizer):
     with pytest.raises(UsageError, match=r"Generation decodes one sequence: input_ids must be \[1, prompt_len\], got \[2, 8\]"):
         Generation(MODEL, tokenizer, torch.cat([IDS, IDS]), CacheSettings(budget=24), SamplingSettings(max_new_tokens=3))
+
+
+def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(tmp_path):
+    """An iterator stopped midway and still referenced when the script ends is finalised during interpreter
+    shutdown; building its result then (a tensor view and tolist) aborted the process with status 134."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "abandon.py"
+    script.write_text(
+        "import torch\n"
+        "from conftest import tiny_model, make_tokenizer\n"
+        "from epikv_cli.engine import Generation\n"
+        "from epikv_cli.settings import CacheSettings, SamplingSettings\n"
+        "steps = iter(Generation(tiny_model('llama'), make_tokenizer(), torch.arange(3, 40)[None],\n"
+        "                        CacheSettings(budget=20, policy='streaming'), SamplingSettings(max_new_tokens=50, ignore_eos=True)))\n"
+        "for _ in range(5):\n"
+        "    next(steps)\n"
+        "print('stopped after 5')\n"
+    )
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "stopped after 5\n"), done.stderr[-2000:]
+
