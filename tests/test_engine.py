@@ -145,4 +145,3 @@ def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert (done.returncode, done.stdout) == (0, "stopped after 5\n"), done.stderr[-2000:]
-
