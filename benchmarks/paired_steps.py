@@ -17,10 +17,10 @@ import statistics
 import time
 
 from epikv_cli.engine import Generation
+from epikv_cli.errors import UsageError
 from epikv_cli.models import load
-from epikv_cli.policies import parse_policy_spec
-from epikv_cli.profile import prompt_ids
-from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings
+from epikv_cli.profile import ProfileSettings, prompt_ids
+from epikv_cli.settings import ModelSettings, SamplingSettings
 
 
 def main() -> None:
@@ -32,15 +32,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=300)
     args = parser.parse_args()
 
+    # profile's own parsing and budget checks: a policy that cannot hold the prompt is named before the model loads
+    try:
+        settings = ProfileSettings(ProfileSettings.parse_policies(args.policies), args.budget, args.prompt_tokens, args.new_tokens, repeats=1)
+        settings.check_budgets()
+    except UsageError as error:
+        parser.error(str(error))
+    if any(run.kernel for run in settings.runs):
+        parser.error("--policies: every generation shares the model's kernel here; drop the @kernel")
+    labels = [run.label for run in settings.runs]
     loaded = load(ModelSettings(model=args.model))
     ids = prompt_ids(loaded.tokenizer, args.prompt_tokens, None)
-    labels = args.policies.split(",")
     sampling = SamplingSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
-    steps = []
-    for label in labels:
-        name, options = parse_policy_spec(label)
-        cache = CacheSettings(budget=None if name == "full" else args.budget, policy=name, options=options)
-        steps.append(iter(Generation(loaded.model, loaded.tokenizer, ids, cache, sampling)))
+    steps = [iter(Generation(loaded.model, loaded.tokenizer, ids, settings.cache_for(run), sampling)) for run in settings.runs]
     for generation in steps:
         next(generation)  # the prefill and the first token
     times: list[list[float]] = [[] for _ in labels]

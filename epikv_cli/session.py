@@ -305,12 +305,15 @@ def holds_tokens(cache: BudgetCache | RowsCache) -> bool:
 def continues(cache: BudgetCache | RowsCache, args: tuple, kwargs: dict, previous: torch.Tensor | None = None) -> bool:
     """Whether generate's inputs are the cached sequence plus the one token sampled last (the previous call's
     output, passed back to go on): generate then feeds only that token, which the cache can take.
-    ``previous``: the sequences the call that filled the cache returned (None: unknown, the length decides)."""
+    ``previous``: the sequences the latest call on the cache returned, if any."""
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == cache.get_seq_length() + 1):
+    expected = cache.get_seq_length() + 1
+    if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == expected):
         return False
+    if previous is None or previous.shape[1] != expected:  # the cache no longer holds what that call left: length decides
+        return True
     # a new prompt may have just that length: only the output itself continues
-    return previous is None or (inputs.shape == previous.shape and torch.equal(inputs, previous.to(inputs.device)))
+    return inputs.shape == previous.shape and torch.equal(inputs, previous.to(inputs.device))
 
 
 @contextmanager
@@ -321,10 +324,11 @@ def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterat
     search. Passing the previous call's output back, to go on generating, is a continuation and runs."""
     outer = model.__dict__.get("generate")  # an enclosing attach's guard, if any
     inner = model.generate
-    last: dict = {}  # what the latest call on this cache returned, and the cached length it left
+    previous: torch.Tensor | None = None  # the sequences the latest call on this cache returned
 
     @functools.wraps(inner)
     def generate(*args, **kwargs):
+        nonlocal previous
         if not (kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache):
             return inner(*args, **kwargs)
         config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -333,17 +337,13 @@ def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterat
             raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
         if beams > 1:
             raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
-        if holds_tokens(cache):
-            # the output recorded is the cache's only while the cache still holds what that call left
-            previous = last.get("sequences") if last.get("length") == cache.get_seq_length() else None
-            if not continues(cache, args, kwargs, previous):
-                raise UsageError(
-                    "this EpiKV cache still holds the sequence of an earlier generate call, and these inputs do not "
-                    "continue it; attach a new cache for each new prompt, or call cache.reset() first"
-                )
+        if holds_tokens(cache) and not continues(cache, args, kwargs, previous):
+            raise UsageError(
+                "this EpiKV cache still holds the sequence of an earlier generate call, and these inputs do not "
+                "continue it; attach a new cache for each new prompt, or call cache.reset() first"
+            )
         output = inner(*args, **kwargs)
-        sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
-        last.update(sequences=sequences, length=cache.get_seq_length())
+        previous = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
         return output
 
     model.generate = generate
