@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .keepsets import mutable_zeros
 from .taps import decoder_blocks
 
 TAP_PREFIX = "epikv_taps+"
@@ -49,29 +50,59 @@ class AttentionNeeds:
 
 
 class QueryRing:
-    """One layer's last ``width`` query vectors for every batch row, in a ring: a decode step writes one
-    slot in place (no copy of the others); rows read them oldest first."""
+    """One layer's last ``width`` query vectors for every batch row, in a ring: a decode step fills one
+    slot (no copy of the others); rows read them oldest first.
+
+    A decode step's query, outside a compiled graph, is only referenced (``[batch, heads, 1, head_dim]``,
+    a fresh tensor of the forward) and copied into the ring when it is next read: a policy reads the ring
+    once per refresh, so the step skips a copy kernel per layer. Inside a compiled graph the query is
+    copied at once (a graph's outputs may be overwritten by its next replay, e.g. with CUDA graphs).
+    """
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self.buffer: torch.Tensor | None = None  # [batch, heads, width, head_dim]
+        self._buffer: torch.Tensor | None = None  # [batch, heads, width, head_dim]
+        self._pending: dict[int, torch.Tensor] = {}  # slot -> a decode step's query not yet copied in
         self.head = 0  # the next slot written, the same for every row (all rows take one query per step)
         self.valid: list[int] = []  # per row: how many slots hold real queries
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """``[batch, heads, width, head_dim]``: the ring's slots, every written query copied in."""
+        if self._pending:
+            if self._buffer.is_inference() and not torch.is_inference_mode_enabled():
+                self._buffer = self._buffer.clone()  # made in inference mode (a row added or dropped), read outside it
+            slots = sorted(self._pending)
+            start = 0
+            for end in range(1, len(slots) + 1):  # runs of consecutive slots (two when the ring wraps): a slice copy each
+                if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                    run = [self._pending[slot] for slot in slots[start:end]]
+                    self._buffer[:, :, slots[start] : slots[end - 1] + 1] = torch.cat(run, dim=2) if len(run) > 1 else run[0]
+                    start = end
+            self._pending.clear()
+        return self._buffer
 
     def write(self, query: torch.Tensor) -> None:
         """Store ``query`` ``[batch, heads, q, head_dim]`` (q = 1 in decode steps, the prompt at a prefill)."""
         query = query.detach()
         batch, heads, count, dim = query.shape
-        if self.buffer is None or self.buffer.shape[0] != batch:
-            self.buffer = query.new_zeros((batch, heads, self.width, dim))
+        if self._buffer is None or self._buffer.shape[0] != batch:
+            self._buffer = mutable_zeros((batch, heads, self.width, dim), query.dtype, query.device)
+            self._pending.clear()
             self.head, self.valid = 0, [0] * batch
         if count >= self.width:
-            self.buffer.copy_(query[:, :, -self.width :])
+            self._pending.clear()
+            self._buffer.copy_(query[:, :, -self.width :])
             self.head, self.valid = 0, [self.width] * batch
             return
-        for index in range(count):
-            self.buffer.select(2, self.head).copy_(query.select(2, index))
+        if count == 1 and not torch.compiler.is_compiling():
+            self._pending[self.head] = query  # a newer query for the slot replaces an uncopied older one
             self.head = (self.head + 1) % self.width
+        else:
+            buffer = self.buffer
+            for index in range(count):
+                buffer.select(2, self.head).copy_(query.select(2, index))
+                self.head = (self.head + 1) % self.width
         self.valid = [min(v + count, self.width) for v in self.valid]
 
     def ordered(self, row: int) -> torch.Tensor:
@@ -81,7 +112,7 @@ class QueryRing:
         return self.buffer[row][:, slots]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        self.buffer = self.buffer[keep.to(self.buffer.device)]
+        self._buffer = self.buffer[keep.to(self._buffer.device)]
         self.valid = [self.valid[i] for i in keep.tolist()]
 
     def add_row(self, queries: torch.Tensor | None, heads: int, dim: int, dtype, device) -> None:
@@ -90,7 +121,7 @@ class QueryRing:
         count = 0 if queries is None else min(queries.shape[1], self.width)
         for i in range(count):
             row[0, :, (self.head - count + i) % self.width] = queries[:, queries.shape[1] - count + i]
-        self.buffer = row if self.buffer is None else torch.cat([self.buffer, row])
+        self._buffer = row if self._buffer is None else torch.cat([self.buffer, row])
         self.valid.append(count)
 
 

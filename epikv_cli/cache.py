@@ -173,7 +173,6 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = 0
         self.length = 0  # live slots in this layer (equals the table's stored between forwards)
         self.seen = 0
-        self._head_rows: torch.Tensor | None = None  # [kv_heads] where each head's slots start in the flattened buffers
 
     def _capped(self, slots: int) -> int:
         return slots if self.limit is None else min(slots, self.limit)
@@ -187,7 +186,6 @@ class BudgetLayer(CacheLayerMixin):
         self.device = key_states.device
         heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
         self.capacity = self._capped(key_states.shape[-2] + HEADROOM)
-        self._head_rows = None
         self.keys = key_states.new_zeros((1, heads, self.capacity, k_dim))
         self.values = value_states.new_zeros((1, heads, self.capacity, v_dim))
         self.is_initialized = True
@@ -200,22 +198,25 @@ class BudgetLayer(CacheLayerMixin):
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = capacity
-        self._head_rows = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None,
-        head_slots: torch.Tensor | None = None, **kwargs,
+        head_rows: tuple[torch.Tensor, int] | None = None, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv_heads, q, head_dim]`` new states where ``plan`` says (default: after the used
-        slots), or one token into each KV head's own slot ``head_slots`` ``[kv_heads]`` (a granular keep-set's
-        vacancies); return the ``[1, kv_heads, used, head_dim]`` views, every used slot live."""
+        slots), or one token into each KV head's own slot (a granular keep-set's vacancies): ``head_rows`` is
+        ``([kv_heads] rows, stride)``, head h's slot s as row ``h * stride + s`` of the ``[kv_heads * capacity,
+        head_dim]`` flattened buffers, stride this layer's capacity; return the ``[1, kv_heads, used, head_dim]``
+        views, every used slot live."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
-        if head_slots is not None:
-            if self._head_rows is None:
-                self._head_rows = torch.arange(key_states.shape[1], device=self.keys.device) * self.capacity
-            rows = self._head_rows + head_slots  # [kv_heads]: each head's slot as a row of the flattened buffer
+        if head_rows is not None:
+            rows, stride = head_rows
+            if stride != self.capacity:
+                raise RuntimeError(f"head rows flattened with stride {stride} for a layer of capacity {self.capacity}")
+            if rows.device != self.keys.device:  # layers placed on several devices
+                rows = rows.to(self.keys.device)
             self.keys.view(-1, self.keys.shape[-1]).index_put_((rows,), key_states.reshape(-1, key_states.shape[-1]))
             self.values.view(-1, self.values.shape[-1]).index_put_((rows,), value_states.reshape(-1, value_states.shape[-1]))
             self.length = max(self.length, plan.start + 1)
@@ -347,7 +348,9 @@ class BudgetCache(Cache):
         self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
         self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
         self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
-        self._head_writes: tuple[torch.Tensor, ...] | None = None  # granular, one token: each layer's [kv_heads] write slots
+        self._head_writes: tuple[torch.Tensor, ...] | None = None  # granular, one token: each layer's [kv_heads] write rows
+        self._head_offsets: torch.Tensor | None = None  # [kv_heads] h * capacity: where each head's slots start, flattened
+        self._offsets_for: tuple[int, torch.device] | None = None  # the capacity and device _head_offsets was made for
         self._budget_order = {index: j for j, index in enumerate(self.budget_layer_indices)}
 
     def reset(self) -> None:
@@ -372,12 +375,20 @@ class BudgetCache(Cache):
                 if self.head_slots is None:
                     self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
                 writes = self.head_slots.append(self._plan.start, count, self.table.seen - count)
-                self._head_writes = writes.unbind(0) if writes is not None else None
+                self._head_writes = None if writes is None else self._flat_rows(writes, self.layers[layer_idx].capacity)
         if isinstance(self.layers[layer_idx], BudgetLayer):
             kwargs["plan"] = self._plan
             if self._head_writes is not None:
-                kwargs["head_slots"] = self._head_writes[self._budget_order[layer_idx]]
+                kwargs["head_rows"] = (self._head_writes[self._budget_order[layer_idx]], self._offsets_for[0])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _flat_rows(self, slots: torch.Tensor, capacity: int) -> tuple[torch.Tensor, ...]:
+        """Each evicting layer's ``[kv_heads]`` write rows in its flattened buffers from the ``[layers, kv_heads]``
+        slots: one add for every layer (all evicting layers share one capacity)."""
+        if self._head_offsets is None or self._offsets_for != (capacity, slots.device):
+            self._head_offsets = torch.arange(slots.shape[1], device=slots.device) * capacity
+            self._offsets_for = (capacity, slots.device)
+        return (slots + self._head_offsets).unbind(0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None

@@ -87,6 +87,27 @@ def test_query_ring_keeps_the_last_queries_in_order():
     assert ring.ordered(0).flatten().tolist() == [9.0, 10.0, 11.0]
 
 
+def test_query_ring_reads_what_a_copy_at_once_ring_holds():
+    """Decode-step queries are copied in only when the ring is read: any mix of prefills, single and
+    multi-query writes and reads, across wrap-arounds, reads the last ``width`` queries in order."""
+    import random
+
+    from epikv_cli.attention import QueryRing
+
+    rng = random.Random(3)
+    for width in (1, 3, 8):
+        ring, history, value = QueryRing(width=width), [], 0.0
+        for _ in range(60):
+            count = rng.choice([1, 1, 1, 1, 2, width + 2])
+            ring.write(torch.arange(value, value + count).view(1, 1, count, 1).expand(2, 2, count, 1))
+            history += [value + i for i in range(count)]
+            value += count
+            if rng.random() < 0.3:
+                expected = history[-width:]
+                assert ring.ordered(0)[0].flatten().tolist() == expected
+                assert ring.ordered(1)[1].flatten().tolist() == expected
+
+
 def test_stored_queries_come_with_the_kernels_scale():
     """Gemma's softmax scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: attention
     recomputed from the stored queries (epikv2, rkv) must use the scale the kernel used."""
