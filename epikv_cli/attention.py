@@ -26,6 +26,7 @@ from .keepsets import mutable_zeros
 from .taps import decoder_blocks
 
 TAP_PREFIX = "epikv_taps+"
+_TAP_ATTRIBUTE = "_epikv_attention_tap"  # on a tapped attention module: the AttentionTaps it reports to
 #: Query rows whose weights are computed at once at prefill: memory is O(QUERY_CHUNK x length) per layer.
 QUERY_CHUNK = 256
 
@@ -260,11 +261,13 @@ class AttentionTaps:
 
     def set_active(self, active: bool) -> None:
         """Receive the evicting layers' attention (only this session's forwards should)."""
+        # twice a forward on every evicting layer: through the instance dict, not nn.Module's __setattr__
+        # and __delattr__ (which look through parameters, buffers and submodules first)
         for module in self.modules:
             if active:
-                module._epikv_attention_tap = self
-            elif getattr(module, "_epikv_attention_tap", None) is self:
-                del module._epikv_attention_tap
+                module.__dict__[_TAP_ATTRIBUTE] = self
+            elif module.__dict__.get(_TAP_ATTRIBUTE) is self:
+                del module.__dict__[_TAP_ATTRIBUTE]
 
     @property
     def returns_weights(self) -> bool:
@@ -354,7 +357,7 @@ def _delegate(base: str, module: nn.Module):
 def _tapped(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         output, weights = _delegate(base, module)(module, query, key, value, attention_mask, **kwargs)
-        tap = getattr(module, "_epikv_attention_tap", None)
+        tap = getattr(module, _TAP_ATTRIBUTE, None)
         if tap is not None:
             tap.observe(module, query, key, attention_mask, kwargs, weights)
         return output, weights
