@@ -107,10 +107,14 @@ class QueryRing:
         self.valid = [min(v + count, self.width) for v in self.valid]
 
     def ordered(self, row: int) -> torch.Tensor:
-        """``[heads, valid, head_dim]``: row ``row``'s real queries, oldest first."""
+        """``[heads, valid, head_dim]``: row ``row``'s real queries, oldest first (a view when they do not
+        wrap around the ring's end, else one copy of two slices; no index tensor, so no host-to-device copy)."""
         count = self.valid[row]
-        slots = [(self.head - count + i) % self.width for i in range(count)]
-        return self.buffer[row][:, slots]
+        start = (self.head - count) % self.width
+        slots = self.buffer[row]
+        if start + count <= self.width:
+            return slots[:, start : start + count]
+        return torch.cat([slots[:, start:], slots[:, : start + count - self.width]], dim=1)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self._buffer = self.buffer[keep.to(self._buffer.device)]
