@@ -63,7 +63,7 @@ class QueryRing:
     def __init__(self, width: int) -> None:
         self.width = width
         self._buffer: torch.Tensor | None = None  # [batch, heads, width, head_dim]
-        self._pending: dict[int, torch.Tensor] = {}  # slot -> a decode step's query not yet copied in
+        self._pending: list[torch.Tensor] = []  # the queries of the slots just before head, not yet copied in (oldest first)
         self.head = 0  # the next slot written, the same for every row (all rows take one query per step)
         self.valid: list[int] = []  # per row: how many slots hold real queries
 
@@ -71,17 +71,21 @@ class QueryRing:
     def buffer(self) -> torch.Tensor | None:
         """``[batch, heads, width, head_dim]``: the ring's slots, every written query copied in."""
         if self._pending:
-            if self._buffer.is_inference() and not torch.is_inference_mode_enabled():
-                self._buffer = self._buffer.clone()  # made in inference mode (a row added or dropped), read outside it
-            slots = sorted(self._pending)
-            start = 0
-            for end in range(1, len(slots) + 1):  # runs of consecutive slots (two when the ring wraps): a slice copy each
-                if end == len(slots) or slots[end] != slots[end - 1] + 1:
-                    run = [self._pending[slot] for slot in slots[start:end]]
-                    self._buffer[:, :, slots[start] : slots[end - 1] + 1] = torch.cat(run, dim=2) if len(run) > 1 else run[0]
-                    start = end
+            joined = torch.cat(self._pending, dim=2) if len(self._pending) > 1 else self._pending[0]
+            done = 0
+            for first, last in self._spans(len(self._pending)):
+                self._buffer[:, :, first:last] = joined[:, :, done : done + last - first]
+                done += last - first
             self._pending.clear()
         return self._buffer
+
+    def _spans(self, count: int) -> list[tuple[int, int]]:
+        """The slot ranges ``[first, last)`` of the ``count`` slots before :attr:`head`, oldest first (two when
+        they wrap around the ring's end)."""
+        start = (self.head - count) % self.width
+        if start + count <= self.width:
+            return [(start, start + count)]
+        return [(start, self.width), (0, start + count - self.width)]
 
     def write(self, query: torch.Tensor) -> None:
         """Store ``query`` ``[batch, heads, q, head_dim]`` (q = 1 in decode steps, the prompt at a prefill)."""
@@ -97,7 +101,9 @@ class QueryRing:
             self.head, self.valid = 0, [self.width] * batch
             return
         if count == 1 and not torch.compiler.is_compiling():
-            self._pending[self.head] = query  # a newer query for the slot replaces an uncopied older one
+            if len(self._pending) == self.width:  # a full lap overwrites the oldest uncopied query's slot
+                self._pending.pop(0)
+            self._pending.append(query)
             self.head = (self.head + 1) % self.width
         else:
             buffer = self.buffer
@@ -109,24 +115,23 @@ class QueryRing:
     def ordered(self, row: int) -> torch.Tensor:
         """``[heads, valid, head_dim]``: row ``row``'s real queries, oldest first (a view when they do not
         wrap around the ring's end, else one copy of two slices; no index tensor, so no host-to-device copy)."""
-        count = self.valid[row]
-        start = (self.head - count) % self.width
         slots = self.buffer[row]
-        if start + count <= self.width:
-            return slots[:, start : start + count]
-        return torch.cat([slots[:, start:], slots[:, : start + count - self.width]], dim=1)
+        spans = [slots[:, first:last] for first, last in self._spans(self.valid[row])]
+        return spans[0] if len(spans) == 1 else torch.cat(spans, dim=1)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        self._buffer = self.buffer[keep.to(self._buffer.device)]
+        with torch.inference_mode(False):  # a normal tensor, written in place in and out of inference mode
+            self._buffer = self.buffer[keep.to(self._buffer.device)]
         self.valid = [self.valid[i] for i in keep.tolist()]
 
     def add_row(self, queries: torch.Tensor | None, heads: int, dim: int, dtype, device) -> None:
         """A row joins with its own last queries ``[heads, w, head_dim]`` (oldest first; None: none)."""
-        row = torch.zeros((1, heads, self.width, dim), dtype=dtype, device=device)
+        row = mutable_zeros((1, heads, self.width, dim), dtype, device)
         count = 0 if queries is None else min(queries.shape[1], self.width)
         for i in range(count):
             row[0, :, (self.head - count + i) % self.width] = queries[:, queries.shape[1] - count + i]
-        self._buffer = row if self._buffer is None else torch.cat([self.buffer, row])
+        with torch.inference_mode(False):  # as keep_rows
+            self._buffer = row if self._buffer is None else torch.cat([self.buffer, row])
         self.valid.append(count)
 
 

@@ -348,9 +348,10 @@ class BudgetCache(Cache):
         self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
         self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
         self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
-        self._head_writes: tuple[torch.Tensor, ...] | None = None  # granular, one token: each layer's [kv_heads] write rows
-        self._head_offsets: torch.Tensor | None = None  # [kv_heads] h * capacity: where each head's slots start, flattened
-        self._offsets_for: tuple[int, torch.device] | None = None  # the capacity and device _head_offsets was made for
+        #: granular, one token: each layer's [kv_heads] write rows in its flattened buffers, and their stride
+        self._head_writes: tuple[tuple[torch.Tensor, ...], int] | None = None
+        #: (capacity, device, [kv_heads] h * capacity): where each head's slots start in the flattened buffers
+        self._head_offsets: tuple[int, torch.device, torch.Tensor] | None = None
         self._budget_order = {index: j for j, index in enumerate(self.budget_layer_indices)}
 
     def reset(self) -> None:
@@ -375,20 +376,21 @@ class BudgetCache(Cache):
                 if self.head_slots is None:
                     self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
                 writes = self.head_slots.append(self._plan.start, count, self.table.seen - count)
-                self._head_writes = None if writes is None else self._flat_rows(writes, self.layers[layer_idx].capacity)
+                capacity = self.layers[layer_idx].capacity
+                self._head_writes = None if writes is None else (self._flat_rows(writes, capacity), capacity)
         if isinstance(self.layers[layer_idx], BudgetLayer):
             kwargs["plan"] = self._plan
             if self._head_writes is not None:
-                kwargs["head_rows"] = (self._head_writes[self._budget_order[layer_idx]], self._offsets_for[0])
+                rows, stride = self._head_writes
+                kwargs["head_rows"] = (rows[self._budget_order[layer_idx]], stride)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _flat_rows(self, slots: torch.Tensor, capacity: int) -> tuple[torch.Tensor, ...]:
         """Each evicting layer's ``[kv_heads]`` write rows in its flattened buffers from the ``[layers, kv_heads]``
         slots: one add for every layer (all evicting layers share one capacity)."""
-        if self._head_offsets is None or self._offsets_for != (capacity, slots.device):
-            self._head_offsets = torch.arange(slots.shape[1], device=slots.device) * capacity
-            self._offsets_for = (capacity, slots.device)
-        return (slots + self._head_offsets).unbind(0)
+        if self._head_offsets is None or self._head_offsets[:2] != (capacity, slots.device):
+            self._head_offsets = (capacity, slots.device, torch.arange(slots.shape[1], device=slots.device) * capacity)
+        return (slots + self._head_offsets[2]).unbind(0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
