@@ -128,6 +128,36 @@ def test_received_by_head_by_hand():
     assert torch.allclose(two, torch.stack([e, e[[1, 0, 2]]]))
 
 
+def test_received_by_head_equals_a_dense_causal_softmax():
+    """The causal mask is applied to each head's newest keys alone; against a softmax per query over every key,
+    masked where the key is newer (queries at the newest positions, keys in shuffled slots, 3 query heads per KV head)."""
+    generator = torch.Generator().manual_seed(0)
+    for width, stored in ((1, 5), (4, 4), (16, 40), (8, 300)):
+        seen = stored + 50
+        queries = torch.randn(6, width, 8, generator=generator)
+        keys = torch.randn(2, stored, 8, generator=generator)
+        query_positions = torch.arange(seen - width, seen)
+        # each KV head holds its own tokens: the newest `width` (the queries' own) and older ones, in any slot order
+        key_positions = torch.stack([
+            torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[torch.randperm(stored, generator=generator)]
+            for _ in range(2)
+        ])
+        expected = torch.zeros(2, stored)
+        for kv in range(2):
+            for head in range(3 * kv, 3 * kv + 3):
+                for i in range(width):
+                    logits = keys[kv] @ queries[head, i] * 0.3
+                    logits[key_positions[kv] > query_positions[i]] = -math.inf
+                    expected[kv] += torch.softmax(logits, 0) / 3
+        got = received_by_head(queries, keys, query_positions, key_positions, scaling=0.3)
+        assert torch.allclose(got, expected, atol=1e-6), (width, stored)
+        # a bfloat16 cache: the product in bfloat16 (as eager attention's), the softmax and the sums in float32
+        low = received_by_head(queries.bfloat16(), keys.bfloat16(), query_positions, key_positions, scaling=0.3)
+        assert low.dtype == torch.float32
+        assert torch.allclose(low, expected, atol=1e-2), (width, stored)
+        assert torch.allclose(low.sum(dim=-1), torch.full((2,), float(width)), atol=1e-4)  # each query's weights sum to 1
+
+
 def test_granular_options_are_checked():
     for options in ((("keep", "rows"),), (("keep", "global"), ("adapt", "1")), (("credit", "mean"),), (("keep", "head"), ("signal", "epiphany"))):
         with pytest.raises(UsageError, match="epikv2"):

@@ -78,17 +78,24 @@ def received_by_head(
         query_positions: ``[w]``; key_positions: ``[kv_heads, n]`` (each head holds its own tokens).
         scaling: the layer's softmax scale (default ``dim ** -0.5``).
         values: ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
+
+    The queries must be the ``w`` newest tokens' (as a policy's recent queries are), so that no key is
+    newer than the newest query and at most ``w - 1`` keys are newer than the oldest: the causal mask
+    is applied to each head's ``w`` newest keys alone, not to all ``n``.
     """
     heads, w, dim = queries.shape
     kv_heads, n = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
-    # one batched product per KV head over all its query heads' rows (a broadcast matmul is several times slower)
-    logits = torch.bmm(queries.float().reshape(kv_heads, group * w, dim), keys.float().transpose(-1, -2))
-    logits = logits.view(kv_heads, group, w, n).mul_(scaling if scaling is not None else dim**-0.5)
-    hidden = key_positions.to(keys.device)[:, None, None, :] > query_positions.to(keys.device)[None, None, :, None]
-    # the causal mask as a bias shared by the group's heads (a masked_fill broadcast over the logits is slower)
+    scaled = queries.to(keys.dtype) * (scaling if scaling is not None else dim**-0.5)  # on the queries, as SDPA scales
+    # one batched product per KV head over all its query heads' rows (a broadcast matmul is several times slower),
+    # in the cache's dtype as eager attention computes it (no float32 copy of every key), the softmax in float32
+    logits = torch.bmm(scaled.reshape(kv_heads, group * w, dim), keys.transpose(-1, -2)).view(kv_heads, group, w, n)
+    newest = key_positions.to(keys.device).topk(min(w, n), dim=-1)  # [kv_heads, m] positions and slots
+    hidden = newest.values[:, None, None, :] > query_positions.to(keys.device)[None, None, :, None]  # [kv_heads, 1, w, m]
+    # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
     bias = torch.zeros(hidden.shape, dtype=logits.dtype, device=logits.device).masked_fill_(hidden, -math.inf)
-    weights = torch.softmax(logits.add_(bias), dim=-1)  # [kv_heads, group, w, n]
+    logits.scatter_add_(-1, newest.indices[:, None, None, :].expand(kv_heads, group, w, -1), bias.expand(kv_heads, group, w, -1))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [kv_heads, group, w, n]
     if values is not None:
         weights = weights * values.float().norm(dim=-1)[:, None, None, :]
     return weights.sum(dim=2).mean(dim=1)
