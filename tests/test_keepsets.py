@@ -343,3 +343,41 @@ def test_order_keys_sort_like_score_then_position():
     keys = order_keys(scores, positions)
     expected = sorted(range(scores.numel()), key=lambda i: (float(scores[i]), int(positions[i])))
     assert torch.argsort(keys).tolist() == expected
+
+
+@pytest.mark.parametrize("queries", [None, 4])
+def test_a_refresh_adds_the_attention_of_the_newest_queries(queries):
+    """Per (layer, KV head), the scores after the prefill and one decode refresh equal the attention that
+    transformers' eager attention gives from the newest ``queries`` positions (16 by default) at the
+    prefill and at the refresh, mean over the head's query group, with nothing evicted yet."""
+    model = tiny_model("llama", seed=5, initializer_range=0.15)
+    options = (("period", "16"),) + ((("queries", str(queries)),) if queries else ())
+    width = queries or 16
+    prompt_len, steps = 30, 16
+    tokens = torch.randint(0, 256, (prompt_len + steps,), generator=torch.Generator().manual_seed(2)).tolist()
+    with CacheStream(model, CacheSettings(budget=64, policy="epikv2", options=options), max_tokens=64) as stream:
+        stream.feed(torch.tensor([tokens[:prompt_len]]))
+        policy = stream.session.policy
+        after_prefill = stream.cache.head_slots.companions[policy._head_scores][:, :, :prompt_len].clone()
+        for token in tokens[prompt_len:]:
+            stream.feed(torch.tensor([[token]]))
+        after_refresh = stream.cache.head_slots.companions[policy._head_scores][:, :, : prompt_len + steps].clone()
+    base = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(input_ids=torch.tensor([tokens]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(base)
+    kv_heads = after_prefill.shape[1]
+
+    def received(end: int) -> torch.Tensor:
+        """[layers, kv_heads, end]: attention from the `width` positions before `end`, summed, mean over each group."""
+        rows = torch.stack([layer[0, :, end - width : end, :end].sum(dim=1) for layer in attentions])  # [layers, heads, end]
+        return rows.view(rows.shape[0], kv_heads, -1, end).mean(dim=2)
+
+    assert torch.allclose(after_prefill, received(prompt_len), atol=1e-5)
+    expected = received(prompt_len + steps)
+    expected[:, :, :prompt_len] += received(prompt_len)
+    assert torch.allclose(after_refresh, expected, atol=1e-5)
+    assert after_refresh.sum(dim=-1).sub(2 * width).abs().max() < 1e-4  # each query's weights sum to 1

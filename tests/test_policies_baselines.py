@@ -161,12 +161,16 @@ def test_policy_options_are_typed_and_checked():
     assert parse_policy_spec("epikv2:period=8:decay=0.9") == ("epikv2", (("period", "8"), ("decay", "0.9")))
     policy = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("period", "8"),)))
     assert policy.period == 8 and policy.attention_needs.queries == 8
+    fewer = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("period", "8"), ("queries", "3"))))
+    assert fewer.period == 8 and fewer.attention_needs.queries == 3
     for bad, message in [
         ((("speed", "9"),), "has no option 'speed'"),
         ((("period", "x"),), "must be a whole number"),
         ((("decay", "2"),), r"option decay=2.0 is out of range: it must be above 0 and at most 1"),
         ((("decay", "nan"),), r"option decay=nan is out of range"),
         ((("period", "0"),), r"option period=0 is out of range: it must be a number of steps, 1 or more"),
+        ((("period", "8"), ("queries", "9")), r"option queries=9 is out of range: it must be a number of queries from 1 to period \(8\)"),
+        ((("queries", "0"),), r"option queries=0 is out of range"),
         ((("recent", "1.5"),), r"option recent=1.5 is out of range: it must be a share of K .* or a whole number of tokens"),
         ((("recent", "-1"),), r"option recent=-1.0 is out of range"),
         ((("recent", "0.995"),), r"option recent=0.995 is out of range: it must be a share of K from 0 to 0.99"),

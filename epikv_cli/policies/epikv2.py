@@ -3,21 +3,24 @@
 The published EpiKV score freezes a hidden-state statistic at entry, and measured on real models it
 keeps the cache further from the full one than keeping the most recent tokens. What does keep a
 model close is what H2O measures: the attention each cached token receives. EpiKV-2 measures it
-without the kernel's weights: each evicting layer keeps its last ``period`` query vectors (after
-RoPE), and every ``period`` steps their attention to the cached keys is computed beside the kernel
-(one small matmul per layer) and added to each token's running score, older contributions decayed.
+without the kernel's weights: each evicting layer keeps its last ``queries`` query vectors (after
+RoPE; ``period`` by default), and every ``period`` steps their attention to the cached keys is
+computed beside the kernel (one small matmul per layer) and added to each token's running score,
+older contributions decayed.
 Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then the highest scores;
-the prompt is scored like everything else. State: ``period`` queries per layer, and one score per
+the prompt is scored like everything else. State: ``queries`` query vectors per layer, and one score per
 cached entry: per token with ``keep=global`` (per-step work O(log K) heap operations on the host),
 per (layer, KV head, slot) on the device with ``keep=head`` (per step, one argmin over a short list of
 ``2 * period + 1`` candidates per (layer, head); the next token is written into each head's victim
-slot, so nothing moves). Every ``period`` steps: one ``[queries x K]`` product per layer (amortised
-O(K / period) per step, the order of one attention row).
+slot, so nothing moves). Every ``period`` steps: one ``[queries x K]`` product per layer (amortised,
+``queries / period`` of an attention row per step: one row by default).
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
-else tokens), ``period``, ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
-(``score`` or ``keep``), and, for ablations, ``signal``: ``attention`` (the default), ``epiphany``
-(the published EpiKV score under these keep rules) or ``none`` (recency alone); ``credit``: how
+else tokens), ``period``, ``queries`` (how many of the newest queries a refresh reads, at most and by
+default ``period``: fewer shrink the product, and rank the tokens less well), ``decay`` (per refresh, 1
+keeps every contribution), ``prompt`` (``score`` or ``keep``), and, for ablations, ``signal``:
+``attention`` (the default), ``epiphany`` (the published EpiKV score under these keep rules) or
+``none`` (recency alone); ``credit``: how
 refreshes add up, ``sum`` (the default), ``mean`` (per refresh the token was scored in, so that
 long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
 weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
@@ -131,12 +134,12 @@ class EpiKV2(Policy):
     #: every step, the reference the list is tested against)
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
-        "sinks": int, "recent": float, "period": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
+        "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
         "pool": int, "keep": str, "adapt": int,
     }
 
     def __init__(
-        self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, decay: float = 1.0, prompt: str = "score",
+        self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
         adapt: int = 0,
     ) -> None:
@@ -145,6 +148,7 @@ class EpiKV2(Policy):
             ("recent", recent, 0 <= recent <= MAX_SHARE or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
              f"a share of K from 0 to {MAX_SHARE}, or a whole number of tokens up to {MAX_TOKENS}"),
             ("period", period, 1 <= period <= MAX_TOKENS, "a number of steps, 1 or more"),
+            ("queries", queries, queries is None or 1 <= queries <= period, f"a number of queries from 1 to period ({period})"),
             ("decay", decay, 0 < decay <= 1, "above 0 and at most 1 (1 keeps every refresh)"),
             ("prompt", prompt, prompt in ("score", "keep"), "score or keep"),
             ("signal", signal, signal in ("attention", "epiphany", "none"), "attention, epiphany or none"),
@@ -165,10 +169,11 @@ class EpiKV2(Policy):
         self.recent_share = recent
         self.recent = self.recent_for(budget)
         self.period = period
+        self.queries = period if queries is None else queries
         self.decay = decay
         self.keep_prompt = prompt == "keep"
         self.signal = signal
-        self.attention_needs = AttentionNeeds(queries=period) if signal == "attention" else None
+        self.attention_needs = AttentionNeeds(queries=self.queries) if signal == "attention" else None
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()  # attention received, summed over refreshes
         self.credit_rule = credit
