@@ -42,9 +42,10 @@ TIMED = [
 ]
 
 
-def timed(seconds: dict[str, float]) -> None:
-    """Wrap every piece of :data:`TIMED` so that it adds its wall time to ``seconds[label]``."""
-    for owner, name, label in TIMED:
+def timed(seconds: dict[str, float], pieces=TIMED, calls: collections.Counter | None = None) -> None:
+    """Wrap every ``(owner, name, label)`` of ``pieces`` so that it adds its wall time to ``seconds[label]``
+    (and, given ``calls``, counts its calls there). A classmethod is wrapped bound: call it on the class."""
+    for owner, name, label in pieces:
         original = getattr(owner, name)
 
         @functools.wraps(original)
@@ -54,6 +55,8 @@ def timed(seconds: dict[str, float]) -> None:
                 return _original(*args, **kwargs)
             finally:
                 seconds[_label] += time.perf_counter() - start
+                if calls is not None:
+                    calls[_label] += 1
 
         setattr(owner, name, wrapper)
 

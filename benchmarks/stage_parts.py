@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import time
 
+from batch_step_split import timed  # run as a script: benchmarks/ is on the path
 from epikv_cli import keepsets
 from epikv_cli.engine import Generation
 from epikv_cli.models import load
@@ -23,21 +23,13 @@ from epikv_cli.policies import epikv2
 from epikv_cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.settings import ModelSettings, SamplingSettings
 
-spent: dict[str, float] = collections.defaultdict(float)
-calls: collections.Counter = collections.Counter()
-
-
-def timed(label: str, function):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[label] += time.perf_counter() - start
-            calls[label] += 1
-
-    return wrapper
+PIECES = [
+    (epikv2, "received_by_head", "refresh product (received_by_head)"),
+    (keepsets.Shortlist, "build", "short list rebuild"),
+    (keepsets.Shortlist, "pick", "short list pick"),
+    (keepsets.HeadSlots, "release", "release"),
+    (epikv2.EpiKV2, "_stage_heads", "stage, in all"),
+]
 
 
 def main() -> None:
@@ -51,11 +43,9 @@ def main() -> None:
     if settings.runs[0].policy != "epikv2":
         parser.error("--policy: an epikv2 spec")
 
-    epikv2.received_by_head = timed("refresh product (received_by_head)", epikv2.received_by_head)
-    keepsets.Shortlist.build = classmethod(timed("short list rebuild", keepsets.Shortlist.build.__func__))
-    keepsets.Shortlist.pick = timed("short list pick", keepsets.Shortlist.pick)
-    keepsets.HeadSlots.release = timed("release", keepsets.HeadSlots.release)
-    epikv2.EpiKV2._stage_heads = timed("stage, in all", epikv2.EpiKV2._stage_heads)
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    timed(spent, PIECES, calls)
 
     loaded = load(ModelSettings(model=args.model))
     ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, None)

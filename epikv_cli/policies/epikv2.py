@@ -20,9 +20,8 @@ else tokens), ``period``, ``queries`` (how many of the newest queries a refresh 
 default ``period``: fewer shrink the product, and rank the tokens less well), ``decay`` (per refresh, 1
 keeps every contribution), ``prompt`` (``score`` or ``keep``), and, for ablations, ``signal``:
 ``attention`` (the default), ``epiphany`` (the published EpiKV score under these keep rules) or
-``none`` (recency alone); ``credit``: how
-refreshes add up, ``sum`` (the default), ``mean`` (per refresh the token was scored in, so that
-long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
+``none`` (recency alone); ``credit``: how refreshes add up, ``sum`` (the default), ``mean`` (per
+refresh the token was scored in, so that long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
 weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
 ``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
 token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head of each
@@ -169,11 +168,10 @@ class EpiKV2(Policy):
         self.recent_share = recent
         self.recent = self.recent_for(budget)
         self.period = period
-        self.queries = period if queries is None else queries
         self.decay = decay
         self.keep_prompt = prompt == "keep"
         self.signal = signal
-        self.attention_needs = AttentionNeeds(queries=self.queries) if signal == "attention" else None
+        self.attention_needs = AttentionNeeds(queries=period if queries is None else queries) if signal == "attention" else None
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()  # attention received, summed over refreshes
         self.credit_rule = credit
