@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -25,9 +26,12 @@ def test_the_peak_resets_and_follows_real_allocations():
     reset_peak(cpu)
     before, kind = peak_memory(cpu)
     assert kind == "process_rss"
-    ballast = torch.ones(300 * 2**20 // 4)  # 300 MiB, touched
+    # 300 MiB of fresh pages, touched: an anonymous map, not the allocator, which may hand back memory
+    # that earlier tests freed but the process still holds (then nothing new becomes resident)
+    ballast = mmap.mmap(-1, 300 * 2**20)
+    torch.frombuffer(ballast, dtype=torch.uint8).fill_(1)
     during = peak_memory(cpu)[0]
-    del ballast
+    ballast.close()
     assert during - before >= 290 * 2**20
     reset_peak(cpu)
     assert peak_memory(cpu)[0] < during - 250 * 2**20  # the process-lifetime peak would not go down
