@@ -35,8 +35,9 @@ TIMED = [
     (rows.RowsLayer, "update", "rows layer writes"),
     (attention.AttentionTaps, "observe", "attention taps (ring writes included)"),
     (attention.QueryRing, "write", "query ring writes"),
-    (epikv2, "received_by_head", "epikv2 refresh (received_by_head)"),
+    (epikv2, "received_by_layers", "epikv2 refresh (received_by_layers)"),
     (keepsets.Shortlist, "pick", "epikv2 short-list pick"),
+    (keepsets.Shortlist, "build", "epikv2 short-list build"),
     (keepsets.HeadSlots, "append", "head map append"),
     (keepsets.HeadSlots, "release", "head map release"),
 ]

@@ -1,5 +1,5 @@
 """Where a granular ``epikv2`` decode step spends its own time, inside a real generation: wall-clock
-timers around the refresh's product (:func:`received_by_head`), the short list's rebuild and pick, the
+timers around the refresh's product (:func:`received_by_layers`), the short list's rebuild and pick, the
 release of the victims and the whole of the policy's stage, per decode step (amortised over the steps).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stage_parts.py --model /tmp/smol-long/config.json \\
@@ -24,7 +24,7 @@ from epikv_cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.settings import ModelSettings, SamplingSettings
 
 PIECES = [
-    (epikv2, "received_by_head", "refresh product (received_by_head)"),
+    (epikv2, "received_by_layers", "refresh product (received_by_layers)"),
     (keepsets.Shortlist, "build", "short list rebuild"),
     (keepsets.Shortlist, "pick", "short list pick"),
     (keepsets.HeadSlots, "release", "release"),

@@ -11,6 +11,7 @@ setting is restored when the session ends; nothing global is patched (new names 
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 from collections.abc import Iterator, Mapping
@@ -56,61 +57,94 @@ class QueryRing:
 
     A decode step's query, outside a compiled graph, is only referenced (``[batch, heads, 1, head_dim]``,
     a fresh tensor of the forward) and copied into the ring when it is next read: a policy reads the ring
-    once per refresh, so the step skips a copy kernel per layer. Inside a compiled graph the query is
-    copied at once (a graph's outputs may be overwritten by its next replay, e.g. with CUDA graphs).
+    once per refresh, so the step skips a copy kernel per layer, and its bookkeeping (:attr:`head`,
+    :attr:`valid`) is brought up to date then too. Inside a compiled graph the query is copied at once (a
+    graph's outputs may be overwritten by its next replay, e.g. with CUDA graphs).
     """
 
     def __init__(self, width: int) -> None:
         self.width = width
         self._buffer: torch.Tensor | None = None  # [batch, heads, width, head_dim]
-        self._pending: list[torch.Tensor] = []  # the queries of the slots just before head, not yet copied in (oldest first)
-        self.head = 0  # the next slot written, the same for every row (all rows take one query per step)
-        self.valid: list[int] = []  # per row: how many slots hold real queries
+        #: the newest decode queries not copied in yet, oldest first (at most a lap's worth)
+        self._pending: collections.deque[torch.Tensor] = collections.deque(maxlen=width)
+        self._unsettled = 0  # decode queries written since the bookkeeping was last brought up to date
+        self._head = 0  # the next slot written, the same for every row (all rows take one query per step)
+        self._valid: list[int] = []  # per row: how many slots hold real queries
+
+    def _settle(self) -> None:
+        """Copy the pending queries into their slots and advance :attr:`head` and :attr:`valid` past them."""
+        if not self._unsettled:
+            return
+        count, self._unsettled = self._unsettled, 0
+        self._head = (self._head + count) % self.width
+        self._valid = [min(v + count, self.width) for v in self._valid]
+        if len(self._pending) == self.width:  # a whole lap: the pending queries are the ring, oldest first
+            with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, as keep_rows makes
+                self._buffer = torch.cat(list(self._pending), dim=2)
+            self._head = 0
+            self._pending.clear()
+        elif self._pending:
+            with torch.no_grad():
+                joined = torch.cat(list(self._pending), dim=2) if len(self._pending) > 1 else self._pending[0]
+                done = 0
+                for first, last in self._spans(len(self._pending)):
+                    self._buffer[:, :, first:last] = joined[:, :, done : done + last - first]
+                    done += last - first
+            self._pending.clear()
+
+    @property
+    def head(self) -> int:
+        """The next slot written."""
+        self._settle()
+        return self._head
+
+    @property
+    def valid(self) -> list[int]:
+        """Per row: how many slots hold real queries."""
+        self._settle()
+        return self._valid
+
+    @valid.setter
+    def valid(self, counts: list[int]) -> None:
+        self._settle()
+        self._valid = counts
 
     @property
     def buffer(self) -> torch.Tensor | None:
         """``[batch, heads, width, head_dim]``: the ring's slots, every written query copied in."""
-        if self._pending:
-            joined = torch.cat(self._pending, dim=2) if len(self._pending) > 1 else self._pending[0]
-            done = 0
-            for first, last in self._spans(len(self._pending)):
-                self._buffer[:, :, first:last] = joined[:, :, done : done + last - first]
-                done += last - first
-            self._pending.clear()
+        self._settle()
         return self._buffer
 
     def _spans(self, count: int) -> list[tuple[int, int]]:
         """The slot ranges ``[first, last)`` of the ``count`` slots before :attr:`head`, oldest first (two when
         they wrap around the ring's end)."""
-        start = (self.head - count) % self.width
+        start = (self._head - count) % self.width
         if start + count <= self.width:
             return [(start, start + count)]
         return [(start, self.width), (0, start + count - self.width)]
 
     def write(self, query: torch.Tensor) -> None:
         """Store ``query`` ``[batch, heads, q, head_dim]`` (q = 1 in decode steps, the prompt at a prefill)."""
-        query = query.detach()
-        batch, heads, count, dim = query.shape
-        if self._buffer is None or self._buffer.shape[0] != batch:
-            self._buffer = mutable_zeros((batch, heads, self.width, dim), query.dtype, query.device)
-            self._pending.clear()
-            self.head, self.valid = 0, [0] * batch
-        if count >= self.width:
-            self._pending.clear()
-            self._buffer.copy_(query[:, :, -self.width :])
-            self.head, self.valid = 0, [self.width] * batch
-            return
-        if count == 1 and not torch.compiler.is_compiling():
-            if len(self._pending) == self.width:  # a full lap overwrites the oldest uncopied query's slot
-                self._pending.pop(0)
+        buffer = self._buffer
+        # the decode step's path, taken once per layer and step: as few Python lines as it can be
+        if query.shape[2] == 1 and buffer is not None and query.shape[0] == buffer.shape[0] and not torch.compiler.is_compiling():
             self._pending.append(query)
-            self.head = (self.head + 1) % self.width
-        else:
-            buffer = self.buffer
-            for index in range(count):
-                buffer.select(2, self.head).copy_(query.select(2, index))
-                self.head = (self.head + 1) % self.width
-        self.valid = [min(v + count, self.width) for v in self.valid]
+            self._unsettled += 1
+            return
+        self._settle()  # (may replace the buffer)
+        buffer, query = self._buffer, query.detach()
+        batch, heads, count, dim = query.shape
+        if buffer is None or buffer.shape[0] != batch:
+            self._buffer = buffer = mutable_zeros((batch, heads, self.width, dim), query.dtype, query.device)
+            self._head, self._valid = 0, [0] * batch
+        if count >= self.width:
+            buffer.copy_(query[:, :, -self.width :])
+            self._head, self._valid = 0, [self.width] * batch
+            return
+        for index in range(count):
+            buffer.select(2, self._head).copy_(query.select(2, index))
+            self._head = (self._head + 1) % self.width
+        self._valid = [min(v + count, self.width) for v in self._valid]
 
     def ordered(self, row: int) -> torch.Tensor:
         """``[heads, valid, head_dim]``: row ``row``'s real queries, oldest first (a view when they do not
@@ -288,15 +322,14 @@ class AttentionTaps:
         """Called by the tapped kernel after it computed ``module``'s output."""
         layer = module.layer_idx
         needs = self.needs
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        if needs.queries:
+        if needs.queries:  # every decode step of every evicting layer: kept short
             ring = self.record.queries.get(layer)
-            if ring is None:
-                ring = self.record.queries[layer] = QueryRing(needs.queries)
+            if ring is None or layer not in self.record.scaling:
+                ring = self._ring(layer, query.shape[-1], kwargs)
             ring.write(query)
-            self.record.scaling[layer] = scaling
         if not needs.weights:
             return
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         q_len = query.shape[2]
         softcap = kwargs.get("softcap")
         batch = query.shape[0]
@@ -333,6 +366,11 @@ class AttentionTaps:
                 part = chunk.sum(dim=2).mean(dim=1)
                 total = part if total is None else total + part
             self.record.received[layer] = place(total)
+
+    def _ring(self, layer: int, head_dim: int, kwargs: dict) -> QueryRing:
+        """``layer``'s query ring (made if new), its kernel's softmax scale recorded beside it."""
+        self.record.scaling[layer] = kwargs.get("scaling") or head_dim**-0.5
+        return self.record.queries.setdefault(layer, QueryRing(self.needs.queries))
 
     def remove(self) -> None:
         """Stop recording; the last session to leave gives the model its own kernel back."""

@@ -59,9 +59,12 @@ class SlotTable:
         prompt_len: tokens appended by the first forward, the prompt (``None`` before it).
         slot_of: logical position -> slot of every live token (the inverse map, kept in O(1) per change),
             so a policy that knows which positions leave finds their slots without scanning K.
+        track: whether the two maps follow each step; False for a granular keep-set's table, which only
+            counts (its per-head map is :class:`~epikv_cli.keepsets.HeadSlots`).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, track: bool = True) -> None:
+        self.track = track
         # the map grows during the forward (in inference mode) and is updated after it
         self.positions = mutable_zeros((capacity,), torch.long, torch.device("cpu"))
         self.stored = 0
@@ -84,8 +87,9 @@ class SlotTable:
         """
         if self.free is not None and count == 1:
             slot, self.free = self.free, None
-            self.positions[slot] = self.seen
-            self.slot_of[self.seen] = slot
+            if self.track:
+                self.positions[slot] = self.seen
+                self.slot_of[self.seen] = slot
             self.stored += 1
             self.seen += 1
             return WritePlan(slot)
@@ -124,8 +128,9 @@ class SlotTable:
         the newest used slots not being dropped fill the holes left below the new length (a free slot
         counts as a hole), so only ``len(slots)`` entries move.
         """
-        for slot in slots:
-            del self.slot_of[int(self.positions[slot])]
+        if self.track:
+            for slot in slots:
+                del self.slot_of[int(self.positions[slot])]
         if len(slots) == 1 and self.free is None:
             self.free = slots[0]
             self.stored -= 1
@@ -201,27 +206,25 @@ class BudgetLayer(CacheLayerMixin):
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None,
-        head_rows: tuple[torch.Tensor, int] | None = None, **kwargs,
+        head_index: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv_heads, q, head_dim]`` new states where ``plan`` says (default: after the used
-        slots), or one token into each KV head's own slot (a granular keep-set's vacancies): ``head_rows`` is
-        ``([kv_heads] rows, stride)``, head h's slot s as row ``h * stride + s`` of the ``[kv_heads * capacity,
-        head_dim]`` flattened buffers, stride this layer's capacity; return the ``[1, kv_heads, used, head_dim]``
+        slots), or one token into each KV head's own slot (a granular keep-set's vacancies): ``head_index``
+        is the ``([1, kv_heads, 1, key_dim], [1, kv_heads, 1, value_dim])`` slot of each head, repeated along
+        the last dimension (a ``scatter_`` index, usually expanded); return the ``[1, kv_heads, used, head_dim]``
         views, every used slot live."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        count = key_states.shape[-2]
-        if head_rows is not None:
-            rows, stride = head_rows
-            if stride != self.capacity:
-                raise RuntimeError(f"head rows flattened with stride {stride} for a layer of capacity {self.capacity}")
-            if rows.device != self.keys.device:  # layers placed on several devices
-                rows = rows.to(self.keys.device)
-            self.keys.view(-1, self.keys.shape[-1]).index_put_((rows,), key_states.reshape(-1, key_states.shape[-1]))
-            self.values.view(-1, self.values.shape[-1]).index_put_((rows,), value_states.reshape(-1, value_states.shape[-1]))
+        if head_index is not None:
+            key_index, value_index = head_index
+            if key_index.device != self.keys.device:  # layers placed on several devices
+                key_index, value_index = key_index.to(self.keys.device), value_index.to(self.keys.device)
+            self.keys.scatter_(2, key_index, key_states)
+            self.values.scatter_(2, value_index, value_states)
             self.length = max(self.length, plan.start + 1)
             self.seen += 1
             return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[-2]
         if plan is not None and plan.close is not None:
             self.move_one(*plan.close, self.length - 1)
         start = self.length if plan is None else plan.start
@@ -323,7 +326,7 @@ class BudgetCache(Cache):
         self.compressed_positions = compressed_positions
         self.granular = granular
         self.head_slots: HeadSlots | None = None  # granular policies: per (layer, KV head) positions, made at the first write
-        self.table = SlotTable(HEADROOM)
+        self.table = SlotTable(HEADROOM, track=not granular)
         layers: list = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
@@ -348,18 +351,16 @@ class BudgetCache(Cache):
         self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
         self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
         self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
-        #: granular, one token: each layer's [kv_heads] write rows in its flattened buffers, and their stride
-        self._head_writes: tuple[tuple[torch.Tensor, ...], int] | None = None
-        #: (capacity, device, [kv_heads] h * capacity): where each head's slots start in the flattened buffers
-        self._head_offsets: tuple[int, torch.device, torch.Tensor] | None = None
+        #: granular, one token: per evicting layer, where each KV head writes it (see :meth:`BudgetLayer.update`)
+        self._head_index: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._budget_order = {index: j for j, index in enumerate(self.budget_layer_indices)}
 
     def reset(self) -> None:
         """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
         super().reset()
-        self.table = SlotTable(HEADROOM)
+        self.table = SlotTable(HEADROOM, track=not self.granular)
         self.head_slots = None
-        self._head_writes = None
+        self._head_index = None
         self.evicted_total = 0
         self.peak_stored = 0
         if self.on_reset is not None:
@@ -376,21 +377,23 @@ class BudgetCache(Cache):
                 if self.head_slots is None:
                     self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
                 writes = self.head_slots.append(self._plan.start, count, self.table.seen - count)
-                capacity = self.layers[layer_idx].capacity
-                self._head_writes = None if writes is None else (self._flat_rows(writes, capacity), capacity)
+                self._head_index = None if writes is None else self._scatter_index(writes, key_states, value_states)
         if isinstance(self.layers[layer_idx], BudgetLayer):
             kwargs["plan"] = self._plan
-            if self._head_writes is not None:
-                rows, stride = self._head_writes
-                kwargs["head_rows"] = (rows[self._budget_order[layer_idx]], stride)
+            if self._head_index is not None:
+                kwargs["head_index"] = self._head_index[self._budget_order[layer_idx]]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _flat_rows(self, slots: torch.Tensor, capacity: int) -> tuple[torch.Tensor, ...]:
-        """Each evicting layer's ``[kv_heads]`` write rows in its flattened buffers from the ``[layers, kv_heads]``
-        slots: one add for every layer (all evicting layers share one capacity)."""
-        if self._head_offsets is None or self._head_offsets[:2] != (capacity, slots.device):
-            self._head_offsets = (capacity, slots.device, torch.arange(slots.shape[1], device=slots.device) * capacity)
-        return (slots + self._head_offsets[2]).unbind(0)
+    @staticmethod
+    def _scatter_index(slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each evicting layer's ``scatter_`` indices along the slot dimension, for keys and values, from the
+        ``[layers, kv_heads]`` slots (expanded views of one tensor, made once for every layer)."""
+        layers, heads = slots.shape
+        index = slots.reshape(layers, 1, heads, 1, 1)
+        keys = index.expand(layers, 1, heads, 1, key_states.shape[-1]).unbind(0)
+        if value_states.shape[-1] == key_states.shape[-1]:
+            return list(zip(keys, keys))
+        return list(zip(keys, index.expand(layers, 1, heads, 1, value_states.shape[-1]).unbind(0)))
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None

@@ -111,6 +111,7 @@ class HeadSlots:
         #: ``[layers, heads]`` the slot each (layer, head) left vacant at the last single eviction, which its
         #: next token fills (None: compact, slots ``0 .. stored - 1`` all live)
         self.vacant: torch.Tensor | None = None
+        self._minus_ones: torch.Tensor | None = None  # what a release adds to its victims' holder counts
 
     @property
     def capacity(self) -> int:
@@ -188,11 +189,14 @@ class HeadSlots:
             return keys.argmin(dim=-1, keepdim=True)
         return torch.topk(keys, count, dim=-1, largest=False, sorted=True).indices
 
-    def release(self, victims: torch.Tensor, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def release(self, victims: torch.Tensor, stored: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the ``victims`` ``[layers, heads, count]`` out of :attr:`holders`; return their positions
-        ``[n]`` and whether each is now held nowhere ``[n]`` (both on the device, for one host read)."""
-        gone = torch.gather(self.live(stored), -1, victims).reshape(-1)
-        self.holders.index_add_(0, gone, torch.full_like(gone, -1, dtype=torch.int32))
+        ``[n]`` and whether each is now held nowhere ``[n]`` (both on the device, for one host read).
+        ``positions``: the victims' ``[layers, heads, count]`` positions, when known already."""
+        gone = (torch.gather(self.live(stored), -1, victims) if positions is None else positions).reshape(-1)
+        if self._minus_ones is None or self._minus_ones.shape != gone.shape:
+            self._minus_ones = torch.full_like(gone, -1, dtype=torch.int32)
+        self.holders.index_add_(0, gone, self._minus_ones)
         return gone, self.holders[gone] == 0
 
     def plan(self, victims: torch.Tensor, stored: int) -> HeadMoves:
@@ -219,28 +223,30 @@ class HeadSlots:
 
 
 class Shortlist:
-    """Each (layer, head)'s possible victims until the next refresh, so that a step picks among a few
-    instead of all K: the ``period + 1`` lowest current candidates, and the ``period`` tokens that will
-    leave the recent window meanwhile. Scores are frozen between refreshes and one token leaves per step,
-    so the lowest candidate of every step is always on the list (the step that builds it and at most
-    ``period`` more take its lowest entries before it is rebuilt), and each listed token's order key is
-    computed once, when the list is built. Slots follow the moves that close the victims' slots.
+    """Each (layer, head)'s victims until the next refresh, decided when the list is built, so that a step
+    between refreshes only reads its own (no search of K, no kernel). Scores are frozen between refreshes
+    and one token leaves the recent window per step, so the victim of each step is among the ``period + 1``
+    lowest current candidates and the ``period`` tokens that leave the recent window meanwhile; the build
+    plays the steps' picks in turn over those few (one token is a candidate once it is older than its
+    layer's recent window, the lowest order key leaves, ties: the older), as a search of all K would at
+    each step. Slots follow the moves that close the victims' slots.
 
     Attributes:
-        slots, positions: ``[layers, heads, size]`` of the listed tokens; keys: ``[layers, heads, size]`` their
-        :func:`order_keys`, the largest int64 for padding and for tokens already picked.
+        slots, positions: ``[layers, heads, steps]`` each step's victim: its slot and logical position.
+        first: the logical length at the build, the first step's.
     """
 
-    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> None:
-        self.slots, self.positions, self.keys = slots, positions, keys
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, first: int) -> None:
+        self.slots, self.positions, self.first = slots, positions, first
 
     @classmethod
     def build(
         cls, slots: HeadSlots, scores: torch.Tensor, candidates: torch.Tensor, window_start: torch.Tensor, floor: int,
-        stored: int, period: int,
+        stored: int, period: int, seen: int,
     ) -> Shortlist:
         """From ``scores`` and ``candidates`` ``[layers, heads, stored]``, with the recent window of each
-        layer starting at ``window_start`` ``[layers, 1, 1]`` (its oldest tokens are the next candidates)."""
+        layer starting at ``window_start`` ``[layers, 1, 1]`` at logical length ``seen`` (its oldest tokens are
+        the next candidates): the victims of this step and the ``period`` after it."""
         positions = slots.live(stored)
         # this step's victim and up to `period` picks come from the lowest current candidates
         low = torch.topk(order_keys(scores, positions).masked_fill_(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
@@ -248,15 +254,23 @@ class Shortlist:
         soon = torch.topk(positions.masked_fill(~upcoming, _LAST), min(period, stored), dim=-1, largest=False)
         soon_keys = order_keys(torch.gather(scores, -1, soon.indices), soon.values).masked_fill_(soon.values == _LAST, _LAST)
         listed = torch.cat([low.indices, soon.indices], dim=-1)
-        return cls(listed, torch.gather(positions, -1, listed), torch.cat([low.values, soon_keys], dim=-1))
+        listed_positions = torch.gather(positions, -1, listed)
+        keys = torch.cat([low.values, soon_keys], dim=-1)
+        wait = listed_positions - window_start  # a listed token is a candidate from the step after this many
+        picks = []
+        for step in range(period + 1):
+            chosen = keys.masked_fill(wait >= step, _LAST).argmin(dim=-1, keepdim=True)
+            keys.scatter_(-1, chosen, _LAST)
+            picks.append(chosen)
+        order = torch.cat(picks, dim=-1)
+        return cls(torch.gather(listed, -1, order), torch.gather(listed_positions, -1, order), seen)
 
-    def pick(self, seen: int, recent: torch.Tensor) -> torch.Tensor:
-        """``[layers, heads, 1]``: each (layer, head)'s lowest listed candidate (a token is a candidate once it
-        is older than its layer's ``recent`` ``[layers]`` window); it is struck off the list."""
-        young = self.positions >= seen - recent[:, None, None]
-        chosen = self.keys.masked_fill(young, _LAST).argmin(dim=-1, keepdim=True)
-        self.keys.scatter_(-1, chosen, _LAST)
-        return torch.gather(self.slots, -1, chosen)
+    def pick(self, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[layers, heads, 1]`` slots and positions of each (layer, head)'s victim at logical length ``seen`` (views)."""
+        step = seen - self.first
+        if not 0 <= step < self.slots.shape[-1]:
+            raise RuntimeError(f"a short list built at length {self.first} holds no victim for length {seen}")
+        return self.slots[..., step : step + 1], self.positions[..., step : step + 1]
 
     def follow(self, victims: torch.Tensor, last: int) -> None:
         """The entry in slot ``last`` moved into each (layer, head)'s victim slot ``[layers, heads, 1]``."""

@@ -17,7 +17,8 @@ from epikv_cli.engine import CacheStream, Generation
 from epikv_cli.errors import UsageError
 from epikv_cli.keepsets import HeadSlots, gone_positions, order_keys
 from epikv_cli.policies import make_policy
-from epikv_cli.policies.epikv2 import EpiKV2, received_by_head
+from epikv_cli.policies import epikv2
+from epikv_cli.policies.epikv2 import EpiKV2, received_by_head, received_by_layers
 from epikv_cli.settings import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
@@ -331,6 +332,42 @@ def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options)
     searched = run()
     assert listed == searched
     assert sum(map(len, listed[1])) > 40
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
+def test_received_by_layers_equals_each_layers_dense_causal_softmax(monkeypatch, chunk_bytes):
+    """Several layers at once (each with its own queries, keys, slot order and softmax scale, one value-weighted
+    run too), in one chunk or one layer per chunk: each layer's result equals a softmax per query over every
+    key, masked where the key is newer, mean over the query heads that read the KV head."""
+    monkeypatch.setattr(epikv2, "REFRESH_CHUNK_BYTES", chunk_bytes)
+    generator = torch.Generator().manual_seed(4)
+    layers, width, stored, seen = 3, 6, 30, 70
+    queries = [torch.randn(4, width, 8, generator=generator) for _ in range(layers)]
+    keys = [torch.randn(2, stored, 8, generator=generator) for _ in range(layers)]
+    values = [torch.randn(2, stored, 8, generator=generator) for _ in range(layers)]
+    query_positions = torch.arange(seen - width, seen)
+    key_positions = torch.stack([
+        torch.stack([
+            torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[torch.randperm(stored, generator=generator)]
+            for _ in range(2)
+        ])
+        for _ in range(layers)
+    ])
+    scaling = [0.3, None, 0.5]
+    for weighted in (False, True):
+        expected = torch.zeros(layers, 2, stored)
+        for layer in range(layers):
+            scale = scaling[layer] if scaling[layer] is not None else 8**-0.5
+            for kv in range(2):
+                norms = values[layer][kv].norm(dim=-1) if weighted else torch.ones(stored)
+                for head in range(2 * kv, 2 * kv + 2):
+                    for i in range(width):
+                        logits = keys[layer][kv] @ queries[layer][head, i] * scale
+                        logits[key_positions[layer, kv] > query_positions[i]] = -math.inf
+                        expected[layer, kv] += torch.softmax(logits, 0) * norms / 2
+        got = received_by_layers(queries, keys, query_positions, key_positions, scaling, values if weighted else None)
+        assert got.shape == (layers, 2, stored)
+        assert torch.allclose(got, expected, atol=1e-5), weighted
 
 
 def test_order_keys_sort_like_score_then_position():

@@ -10,10 +10,11 @@ older contributions decayed.
 Kept: the first ``sinks`` tokens, the most recent ``recent`` share of K, then the highest scores;
 the prompt is scored like everything else. State: ``queries`` query vectors per layer, and one score per
 cached entry: per token with ``keep=global`` (per-step work O(log K) heap operations on the host),
-per (layer, KV head, slot) on the device with ``keep=head`` (per step, one argmin over a short list of
-``2 * period + 1`` candidates per (layer, head); the next token is written into each head's victim
-slot, so nothing moves). Every ``period`` steps: one ``[queries x K]`` product per layer (amortised,
-``queries / period`` of an attention row per step: one row by default).
+per (layer, KV head, slot) on the device with ``keep=head`` (each refresh decides every (layer, head)'s
+victims until the next one from a short list of ``2 * period + 1`` candidates, so a step only reads its
+own; the next token is written into each head's victim slot, so nothing moves). Every ``period``
+steps: one ``[queries x K]`` product per layer (amortised, ``queries / period`` of an attention row per
+step: one row by default), all layers' softmaxes and sums at once.
 
 Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
 else tokens), ``period``, ``queries`` (how many of the newest queries a refresh reads, at most and by
@@ -73,34 +74,95 @@ def received_by_head(
     scaling: float | None = None, values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[kv_heads, n]``: attention each key of each KV head receives from the queries, summed over
-    queries, mean over the query heads that read that KV head.
+    queries, mean over the query heads that read that KV head (one layer of :func:`received_by_layers`).
 
     Args:
         queries: ``[heads, w, dim]`` (after RoPE); keys: ``[kv_heads, n, dim]`` in slot order.
         query_positions: ``[w]``; key_positions: ``[kv_heads, n]`` (each head holds its own tokens).
         scaling: the layer's softmax scale (default ``dim ** -0.5``).
         values: ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
+    """
+    return received_by_layers([queries], [keys], query_positions, key_positions[None], [scaling], None if values is None else [values])[0]
+
+
+#: The most bytes of float32 logits a refresh holds at once: layers are computed together up to it (fewer,
+#: larger operations), one at a time beyond it (a 64-layer model at K = 8192 needs 34 MB per layer).
+REFRESH_CHUNK_BYTES = 64 << 20
+
+
+def received_by_layers(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
+    scaling: list[float | None], values: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``[layers, kv_heads, n]`` float32 on the first layer's device: per layer, the attention each key of each
+    KV head receives from that layer's queries, summed over queries, mean over the query heads that read
+    that KV head. Layers are computed together (one product per layer, everything else once for a run of
+    layers on one device, up to :data:`REFRESH_CHUNK_BYTES` of logits).
+
+    Args:
+        queries: per layer ``[heads, w, dim]`` (after RoPE); keys: per layer ``[kv_heads, n, dim]`` in slot order.
+        query_positions: ``[w]``; key_positions: ``[layers, kv_heads, n]`` (each head holds its own tokens).
+        scaling: per layer, its softmax scale (None: ``dim ** -0.5``).
+        values: per layer ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
 
     The queries must be the ``w`` newest tokens' (as a policy's recent queries are), so that no key is
     newer than the newest query and at most ``w - 1`` keys are newer than the oldest: the causal mask
     is applied to each head's ``w`` newest keys alone, not to all ``n``.
     """
-    heads, w, dim = queries.shape
-    kv_heads, n = keys.shape[0], keys.shape[1]
+    heads, w, dim = queries[0].shape
+    kv_heads, n = keys[0].shape[0], keys[0].shape[1]
     group = heads // kv_heads
-    scaled = queries.to(keys.dtype) * (scaling if scaling is not None else dim**-0.5)  # on the queries, as SDPA scales
-    # one batched product per KV head over all its query heads' rows (a broadcast matmul is several times slower),
+    per_layer = kv_heads * group * w * n * 4
+    parts, start = [], 0
+    while start < len(keys):
+        device = keys[start].device
+        end = start + 1
+        while end < len(keys) and keys[end].device == device and (end + 1 - start) * per_layer <= REFRESH_CHUNK_BYTES:
+            end += 1
+        chunk = slice(start, end)
+        part = _received_chunk(
+            queries[chunk], keys[chunk], query_positions.to(device), key_positions[chunk].to(device), scaling[chunk],
+            None if values is None else values[chunk],
+        )
+        parts.append(part.to(keys[0].device))
+        start = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _received_chunk(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
+    scaling: list[float | None], values: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`received_by_layers` for a run of layers on one device: ``[layers, kv_heads, n]``."""
+    layers = len(keys)
+    heads, w, dim = queries[0].shape
+    kv_heads, n = keys[0].shape[0], keys[0].shape[1]
+    group = heads // kv_heads
+    dtype, device = keys[0].dtype, keys[0].device
+    scales = [s if s is not None else dim**-0.5 for s in scaling]
+    stacked = torch.stack(queries).to(device=device, dtype=dtype)  # [layers, heads, w, dim]
+    if len(set(scales)) == 1:  # on the queries, as SDPA scales
+        stacked = stacked * scales[0]
+    else:
+        stacked = stacked * torch.tensor(scales, dtype=dtype, device=device)[:, None, None, None]
+    stacked = stacked.view(layers, kv_heads, group * w, dim)
+    # one batched product per layer over all its KV heads' query rows (a broadcast matmul is several times slower),
     # in the cache's dtype as eager attention computes it (no float32 copy of every key), the softmax in float32
-    logits = torch.bmm(scaled.reshape(kv_heads, group * w, dim), keys.transpose(-1, -2)).view(kv_heads, group, w, n)
-    newest = key_positions.to(keys.device).topk(min(w, n), dim=-1)  # [kv_heads, m] positions and slots
-    hidden = newest.values[:, None, None, :] > query_positions.to(keys.device)[None, None, :, None]  # [kv_heads, 1, w, m]
+    logits = torch.empty((layers, kv_heads, group * w, n), dtype=dtype, device=device)
+    for layer in range(layers):
+        torch.bmm(stacked[layer], keys[layer].transpose(-1, -2), out=logits[layer])
+    logits = logits.view(layers, kv_heads, group, w, n)
+    newest = key_positions.topk(min(w, n), dim=-1)  # [layers, kv_heads, m] positions and slots
+    hidden = newest.values[:, :, None, None, :] > query_positions[None, None, None, :, None]  # [layers, kv_heads, 1, w, m]
     # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
-    bias = torch.zeros(hidden.shape, dtype=logits.dtype, device=logits.device).masked_fill_(hidden, -math.inf)
-    logits.scatter_add_(-1, newest.indices[:, None, None, :].expand(kv_heads, group, w, -1), bias.expand(kv_heads, group, w, -1))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [kv_heads, group, w, n]
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
+    shape = (layers, kv_heads, group, w, newest.indices.shape[-1])
+    logits.scatter_add_(-1, newest.indices[:, :, None, None, :].expand(shape), bias.expand(shape))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).view(layers, kv_heads, group * w, n)
     if values is not None:
-        weights = weights * values.float().norm(dim=-1)[:, None, None, :]
-    return weights.sum(dim=2).mean(dim=1)
+        norms = torch.stack([v.to(device).float().norm(dim=-1) for v in values])  # [layers, kv_heads, n]
+        weights = weights * norms[:, :, None, :]
+    return weights.sum(dim=2).div_(group)  # summed over the queries, mean over the group's heads
 
 
 def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -129,7 +191,7 @@ class EpiKV2(Policy):
     protects_prompt = False
     uses_recent = False
     staged = True
-    #: granular: pick each step's victims from a short list rebuilt at each refresh (False: search all K
+    #: granular: each step's victims decided from a short list built at each refresh (False: search all K
     #: every step, the reference the list is tested against)
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
@@ -257,20 +319,16 @@ class EpiKV2(Policy):
             self._recent_by_layer = torch.full((slots.layers,), self.recent, dtype=torch.long, device=scores.device)
         refreshed = self._refreshes(signals)
         if refreshed and self.signal == "attention":
-            parts = []
-            query_positions: dict[int, torch.Tensor] = {}  # by how many queries are stored (the same in every layer)
-            for j, (index, layer) in enumerate(zip(cache.budget_layer_indices, cache.budget_layers)):
-                queries = signals.attention.queries[index]
-                keys, values = layer.live()
-                width = queries.shape[1]
-                if width not in query_positions:
-                    query_positions[width] = torch.arange(seen - width, seen, device=keys.device)
-                part = received_by_head(
-                    queries, keys[0], query_positions[width], positions[j],
-                    scaling=signals.attention.scaling.get(index), values=values[0] if self.value_weighted else None,
-                ).to(scores.device)
-                parts.append(part.mean(dim=0, keepdim=True).expand_as(part) if self.keep == "layer" else part)
-            received = torch.stack(parts)  # [layers, kv_heads, stored]
+            indices, live = cache.budget_layer_indices, [layer.live() for layer in cache.budget_layers]
+            queries = [signals.attention.queries[index] for index in indices]
+            width = queries[0].shape[1]
+            received = received_by_layers(
+                queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
+                [signals.attention.scaling.get(index) for index in indices],
+                [values[0] for _, values in live] if self.value_weighted else None,
+            ).to(scores.device)  # [layers, kv_heads, stored]
+            if self.keep == "layer":
+                received = received.mean(dim=1, keepdim=True).expand_as(received)
             if self.adapt:
                 self._adapt_recent(received, positions, floor, seen)
             current = scores[:, :, :stored]  # a view: updated in place
@@ -283,22 +341,23 @@ class EpiKV2(Policy):
             self._shortlist = None
         if over <= 0:
             return []
-        if self._shortlist is not None:  # between refreshes: the lowest of a few listed candidates
-            victims = self._shortlist.pick(seen, self._recent_by_layer)
+        known = None  # the victims' positions, when the short list knows them
+        if self._shortlist is not None:  # between refreshes: the victim the list decided for this step
+            victims, known = self._shortlist.pick(seen)
         else:  # after a refresh (or several at once): all of them, and a new list for the next steps
             window_start = seen - self._recent_by_layer[:, None, None]
             candidates = (positions >= floor) & (positions < window_start)
             if over == 1 and self.shortlisted:
-                self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period)
+                self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period, seen)
                 # the list holds the lowest candidates, so its first pick is the full search's victim
-                victims = self._shortlist.pick(seen, self._recent_by_layer)
+                victims, known = self._shortlist.pick(seen)
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
                 shortest_window = self._budget // 2 if self.adapt else self.recent
                 self._shortlist_until = seen + min(self.period, shortest_window)
             else:
                 victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
         self._victims = HeadVictims(victims, [])
-        return list(slots.release(victims, stored))
+        return list(slots.release(victims, stored, known))
 
     def follow_head_moves(self, victims: torch.Tensor, last: int) -> None:
         """The listed slots follow the cache's moves (a single sequence's cache moves nothing in the steady state)."""
