@@ -78,19 +78,18 @@ class QueryRing:
         count, self._unsettled = self._unsettled, 0
         self._head = (self._head + count) % self.width
         self._valid = [min(v + count, self.width) for v in self._valid]
-        if len(self._pending) == self.width:  # a whole lap: the pending queries are the ring, oldest first
-            with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, as keep_rows makes
-                self._buffer = torch.cat(list(self._pending), dim=2)
-            self._head = 0
-            self._pending.clear()
-        elif self._pending:
-            with torch.no_grad():
-                joined = torch.cat(list(self._pending), dim=2) if len(self._pending) > 1 else self._pending[0]
+        if not self._pending:
+            return
+        with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, as keep_rows makes
+            joined = torch.cat(list(self._pending), dim=2)
+            if len(self._pending) == self.width:  # a whole lap: the pending queries are the ring, oldest first
+                self._buffer, self._head = joined, 0
+            else:
                 done = 0
                 for first, last in self._spans(len(self._pending)):
                     self._buffer[:, :, first:last] = joined[:, :, done : done + last - first]
                     done += last - first
-            self._pending.clear()
+        self._pending.clear()
 
     @property
     def head(self) -> int:
