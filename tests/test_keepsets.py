@@ -339,7 +339,7 @@ def test_received_by_layers_equals_each_layers_dense_causal_softmax(monkeypatch,
     """Several layers at once (each with its own queries, keys, slot order and softmax scale, one value-weighted
     run too), in one chunk or one layer per chunk: each layer's result equals a softmax per query over every
     key, masked where the key is newer, mean over the query heads that read the KV head."""
-    monkeypatch.setattr(epikv2, "REFRESH_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(epikv2, "REFRESH_CHUNK_BYTES", {"cpu": chunk_bytes})
     generator = torch.Generator().manual_seed(4)
     layers, width, stored, seen = 3, 6, 30, 70
     queries = [torch.randn(4, width, 8, generator=generator) for _ in range(layers)]
@@ -368,6 +368,32 @@ def test_received_by_layers_equals_each_layers_dense_causal_softmax(monkeypatch,
         got = received_by_layers(queries, keys, query_positions, key_positions, scaling, values if weighted else None)
         assert got.shape == (layers, 2, stored)
         assert torch.allclose(got, expected, atol=1e-5), weighted
+
+
+def test_cpu_refresh_groups_layers_up_to_its_cache_sized_chunk(monkeypatch):
+    """On the CPU a refresh computes as many layers together as fit REFRESH_CHUNK_BYTES["cpu"] of float32 logits
+    (4 query heads x 8 queries x 6144 keys = 0.75 MiB per layer: 2 layers per 2 MiB chunk, 7 layers in 4 chunks),
+    and a device type not named falls back to the default (here 1 MiB: one layer per chunk)."""
+    chunks = []
+    original = epikv2._received_chunk
+
+    def recorded(queries, *args):
+        chunks.append(len(queries))
+        return original(queries, *args)
+
+    monkeypatch.setattr(epikv2, "_received_chunk", recorded)
+    layers, n = 7, 6144
+    queries = [torch.randn(4, 8, 8) for _ in range(layers)]
+    keys = [torch.randn(2, n, 8) for _ in range(layers)]
+    positions = torch.arange(n).expand(layers, 2, n)
+    got = received_by_layers(queries, keys, torch.arange(n - 8, n), positions, [None] * layers)
+    assert chunks == [2, 2, 2, 1]
+    assert got.shape == (layers, 2, n)
+    chunks.clear()
+    monkeypatch.setattr(epikv2, "REFRESH_CHUNK_BYTES", {"cuda": 2 << 20})
+    monkeypatch.setattr(epikv2, "DEFAULT_REFRESH_CHUNK_BYTES", 1 << 20)
+    received_by_layers(queries, keys, torch.arange(n - 8, n), positions, [None] * layers)
+    assert chunks == [1] * layers
 
 
 def test_order_keys_sort_like_score_then_position():

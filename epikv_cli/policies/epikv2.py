@@ -85,9 +85,18 @@ def received_by_head(
     return received_by_layers([queries], [keys], query_positions, key_positions[None], [scaling], None if values is None else [values])[0]
 
 
-#: The most bytes of float32 logits a refresh holds at once: layers are computed together up to it (fewer,
-#: larger operations), one at a time beyond it (a 64-layer model at K = 8192 needs 34 MB per layer).
-REFRESH_CHUNK_BYTES = 64 << 20
+#: The most bytes of float32 logits a refresh holds at once, by device type: layers are computed together up
+#: to it (fewer, larger operations), one at a time beyond it (a 64-layer model at K = 8192 needs 34 MB per
+#: layer). On a CPU the logits should stay in a core's L2 cache: 30 layers at 4200 keys in one 64 MiB chunk
+#: took twice as long as in 2 MiB chunks (docs/benchmarks.md); a GPU gains from fewer, larger kernels.
+REFRESH_CHUNK_BYTES = {"cpu": 2 << 20}
+#: The chunk on device types not named in :data:`REFRESH_CHUNK_BYTES`.
+DEFAULT_REFRESH_CHUNK_BYTES = 64 << 20
+
+
+def refresh_chunk_bytes(device: torch.device) -> int:
+    """The most bytes of float32 logits a refresh holds at once on ``device``."""
+    return REFRESH_CHUNK_BYTES.get(torch.device(device).type, DEFAULT_REFRESH_CHUNK_BYTES)
 
 
 def received_by_layers(
@@ -97,7 +106,7 @@ def received_by_layers(
     """``[layers, kv_heads, n]`` float32 on the first layer's device: per layer, the attention each key of each
     KV head receives from that layer's queries, summed over queries, mean over the query heads that read
     that KV head. Layers are computed together (one product per layer, everything else once for a run of
-    layers on one device, up to :data:`REFRESH_CHUNK_BYTES` of logits).
+    layers on one device, up to :func:`refresh_chunk_bytes` of logits).
 
     Args:
         queries: per layer ``[heads, w, dim]`` (after RoPE); keys: per layer ``[kv_heads, n, dim]`` in slot order.
@@ -116,8 +125,9 @@ def received_by_layers(
     parts, start = [], 0
     while start < len(keys):
         device = keys[start].device
+        limit = refresh_chunk_bytes(device)
         end = start + 1
-        while end < len(keys) and keys[end].device == device and (end + 1 - start) * per_layer <= REFRESH_CHUNK_BYTES:
+        while end < len(keys) and keys[end].device == device and (end + 1 - start) * per_layer <= limit:
             end += 1
         chunk = slice(start, end)
         part = _received_chunk(
