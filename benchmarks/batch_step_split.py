@@ -6,6 +6,8 @@ with wrappers (their time includes what they call, so the lines overlap: ``decod
 the model and everything run inside or after it, ``decoder.settle`` the eviction).
 
     .venv/bin/python benchmarks/batch_step_split.py --policies streaming,epikv2 --batch-size 8 --budget 512 --prompt-tokens 1024
+
+``--trace`` also prints each timed step of the last round (a refresh step stands out from the others).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48, help="timed steps per run (after 8 untimed)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--trace", action="store_true", help="also print every timed step's ms (the last round)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load(ModelSettings())
@@ -78,6 +81,7 @@ def main() -> None:
     seconds: dict[str, float] = collections.defaultdict(float)
     timed(seconds)
     per_step: dict[str, dict[str, list[float]]] = {spec: collections.defaultdict(list) for spec in args.policies.split(",")}
+    traces: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for spec in per_step:
             name, options = parse_policy_spec(spec)
@@ -88,9 +92,12 @@ def main() -> None:
                     tokens = decoder.step(tokens).argmax(dim=-1)
                 seconds.clear()
                 start = time.perf_counter()
+                steps = [start]
                 for _ in range(args.steps):
                     tokens = decoder.step(tokens).argmax(dim=-1)
-                per_step[spec]["whole step"].append((time.perf_counter() - start) / args.steps)
+                    steps.append(time.perf_counter())
+                per_step[spec]["whole step"].append((steps[-1] - start) / args.steps)
+                traces[spec] = [1000 * (b - a) for a, b in zip(steps, steps[1:])]
             for label, total in seconds.items():
                 per_step[spec][label].append(total / args.steps)
     labels = ["whole step"] + [label for _, _, label in TIMED]
@@ -100,6 +107,9 @@ def main() -> None:
         cells = [statistics.median(per_step[spec][label]) * 1000 if per_step[spec].get(label) else None for spec in per_step]
         if any(cells):
             print(f"{label:46s}" + "".join(f"{cell:14.3f}" if cell is not None else f"{'-':>14s}" for cell in cells))
+    if args.trace:
+        for spec, trace in traces.items():
+            print(f"{spec} ms per step: " + " ".join(f"{ms:.0f}" for ms in trace))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def received_by_layers(
     kv_heads, n = keys[0].shape[0], keys[0].shape[1]
     group = heads // kv_heads
     per_layer = kv_heads * group * w * n * 4
+    # the causal mask of every layer at once: each head's w newest keys, and where each query cannot see them
+    newest = key_positions.topk(min(w, n), dim=-1)  # [layers, kv_heads, m] positions and slots
+    hidden = newest.values[:, :, None, None, :] > query_positions.to(key_positions.device)[None, None, None, :, None]
     parts, start = [], 0
     while start < len(keys):
         device = keys[start].device
@@ -131,7 +134,7 @@ def received_by_layers(
             end += 1
         chunk = slice(start, end)
         part = _received_chunk(
-            queries[chunk], keys[chunk], query_positions.to(device), key_positions[chunk].to(device), scaling[chunk],
+            queries[chunk], keys[chunk], newest.indices[chunk].to(device), hidden[chunk].to(device), scaling[chunk],
             None if values is None else values[chunk],
         )
         parts.append(part.to(keys[0].device))
@@ -140,10 +143,15 @@ def received_by_layers(
 
 
 def _received_chunk(
-    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
+    queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, hidden: torch.Tensor,
     scaling: list[float | None], values: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """:func:`received_by_layers` for a run of layers on one device: ``[layers, kv_heads, n]``."""
+    """:func:`received_by_layers` for a run of layers on one device: ``[layers, kv_heads, n]``.
+
+    Args:
+        newest: ``[layers, kv_heads, m]`` the slots of each head's ``m`` newest keys; hidden: ``[layers,
+            kv_heads, 1, w, m]`` True where a query cannot see one of them.
+    """
     layers = len(keys)
     heads, w, dim = queries[0].shape
     kv_heads, n = keys[0].shape[0], keys[0].shape[1]
@@ -162,12 +170,10 @@ def _received_chunk(
     for layer in range(layers):
         torch.bmm(stacked[layer], keys[layer].transpose(-1, -2), out=logits[layer])
     logits = logits.view(layers, kv_heads, group, w, n)
-    newest = key_positions.topk(min(w, n), dim=-1)  # [layers, kv_heads, m] positions and slots
-    hidden = newest.values[:, :, None, None, :] > query_positions[None, None, None, :, None]  # [layers, kv_heads, 1, w, m]
     # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
     bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
-    shape = (layers, kv_heads, group, w, newest.indices.shape[-1])
-    logits.scatter_add_(-1, newest.indices[:, :, None, None, :].expand(shape), bias.expand(shape))
+    shape = (layers, kv_heads, group, w, newest.shape[-1])
+    logits.scatter_add_(-1, newest[:, :, None, None, :].expand(shape), bias.expand(shape))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).view(layers, kv_heads, group * w, n)
     if values is not None:
         norms = torch.stack([v.to(device).float().norm(dim=-1) for v in values])  # [layers, kv_heads, n]
