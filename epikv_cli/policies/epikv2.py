@@ -122,9 +122,11 @@ def received_by_layers(
     kv_heads, n = keys[0].shape[0], keys[0].shape[1]
     group = heads // kv_heads
     per_layer = kv_heads * group * w * n * 4
-    # the causal mask of every layer at once: each head's w newest keys, and where each query cannot see them
+    # the causal mask of every layer at once: each head's w newest keys, and which queries cannot see them
     newest = key_positions.topk(min(w, n), dim=-1)  # [layers, kv_heads, m] positions and slots
     hidden = newest.values[:, :, None, None, :] > query_positions.to(key_positions.device)[None, None, None, :, None]
+    # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
+    bias = torch.zeros(hidden.shape, dtype=keys[0].dtype, device=hidden.device).masked_fill_(hidden, -math.inf)
     parts, start = [], 0
     while start < len(keys):
         device = keys[start].device
@@ -134,7 +136,7 @@ def received_by_layers(
             end += 1
         chunk = slice(start, end)
         part = _received_chunk(
-            queries[chunk], keys[chunk], newest.indices[chunk].to(device), hidden[chunk].to(device), scaling[chunk],
+            queries[chunk], keys[chunk], newest.indices[chunk].to(device), bias[chunk].to(device), scaling[chunk],
             None if values is None else values[chunk],
         )
         parts.append(part.to(keys[0].device))
@@ -143,14 +145,14 @@ def received_by_layers(
 
 
 def _received_chunk(
-    queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, hidden: torch.Tensor,
+    queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, bias: torch.Tensor,
     scaling: list[float | None], values: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """:func:`received_by_layers` for a run of layers on one device: ``[layers, kv_heads, n]``.
 
     Args:
-        newest: ``[layers, kv_heads, m]`` the slots of each head's ``m`` newest keys; hidden: ``[layers,
-            kv_heads, 1, w, m]`` True where a query cannot see one of them.
+        newest: ``[layers, kv_heads, m]`` the slots of each head's ``m`` newest keys; bias: ``[layers,
+            kv_heads, 1, w, m]`` added to their logits: -inf where a query cannot see one of them, else 0.
     """
     layers = len(keys)
     heads, w, dim = queries[0].shape
@@ -170,8 +172,6 @@ def _received_chunk(
     for layer in range(layers):
         torch.bmm(stacked[layer], keys[layer].transpose(-1, -2), out=logits[layer])
     logits = logits.view(layers, kv_heads, group, w, n)
-    # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
     shape = (layers, kv_heads, group, w, newest.shape[-1])
     logits.scatter_add_(-1, newest[:, :, None, None, :].expand(shape), bias.expand(shape))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).view(layers, kv_heads, group * w, n)
