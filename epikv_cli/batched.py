@@ -17,6 +17,7 @@ from .engine import CacheStream, input_device
 from .policies import make_policy
 from .policies.base import Signals
 from .rows import FULL, SLIDING, RowsCache, RowView
+from .scratch import release_all
 from .errors import UsageError
 from .hostread import host_copies
 from .keepsets import HeadVictims
@@ -248,6 +249,7 @@ class BatchDecoder:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
+        release_all()  # the rows' refresh buffers go with the batch
 
     def __enter__(self) -> BatchDecoder:
         return self

@@ -27,6 +27,7 @@ from .errors import UsageError
 from .hostread import host_copies
 from .policies import Policy, make_policy
 from .policies.base import Signals
+from .scratch import release_all
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -169,6 +170,7 @@ class EpiKVSession:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
+        release_all()  # work buffers kept between refreshes go with the session
 
     def __enter__(self) -> EpiKVSession:
         return self

@@ -444,3 +444,32 @@ def test_a_refresh_adds_the_attention_of_the_newest_queries(queries):
     expected[:, :, :prompt_len] += received(prompt_len)
     assert torch.allclose(after_refresh, expected, atol=1e-5)
     assert after_refresh.sum(dim=-1).sub(2 * width).abs().max() < 1e-4  # each query's weights sum to 1
+
+
+def test_refresh_writes_its_logits_into_reused_buffers_without_changing_results():
+    """Refreshes of several sizes in a row reuse the same two buffers (no new multi-MiB tensor, which page-faults
+    on every touch on a CPU), and each result equals the one computed from freshly made buffers."""
+    generator = torch.Generator().manual_seed(11)
+
+    def inputs(n):
+        queries = [torch.randn(4, 8, 16, generator=generator) for _ in range(3)]
+        keys = [torch.randn(2, n, 16, generator=generator) for _ in range(3)]
+        positions = torch.stack([torch.stack([torch.randperm(n, generator=generator) for _ in range(2)]) for _ in range(3)])
+        return queries, keys, torch.arange(n - 8, n), positions, [None] * 3
+
+    cases = [inputs(n) for n in (300, 40, 300, 120)]
+    epikv2.REFRESH_SCRATCH.clear()
+    fresh = []
+    for case in cases:
+        epikv2.REFRESH_SCRATCH.clear()
+        fresh.append(received_by_layers(*case))
+    epikv2.REFRESH_SCRATCH.clear()
+    reused, pointers = [], set()
+    for case in cases:
+        reused.append(received_by_layers(*case))
+        pointers.add(epikv2.REFRESH_SCRATCH.take("logits", (1,), torch.float32, "cpu").data_ptr())
+    assert len(pointers) == 1  # the first (largest) call's buffer served every later one
+    # two buffers of the largest chunk: 3 layers x 2 KV heads x 2 query heads x 8 queries x 300 keys, float32
+    assert epikv2.REFRESH_SCRATCH.nbytes() == 2 * 3 * 2 * 2 * 8 * 300 * 4
+    for got, expected in zip(reused, fresh):
+        assert torch.equal(got, expected)

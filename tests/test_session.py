@@ -42,6 +42,22 @@ def test_hooks_are_removed_on_exit():
     assert (len(MODEL._forward_hooks), sum(len(m._forward_hooks) for m in MODEL.modules())) == before
 
 
+def test_the_refresh_buffers_live_while_the_session_does():
+    """epikv2 keeps its refresh's logits and weights between refreshes, and the session frees them on exit
+    (a later run, e.g. another policy's in `epikv profile`, must not carry them in its memory figures)."""
+    from epikv_cli.policies.epikv2 import REFRESH_SCRATCH
+
+    REFRESH_SCRATCH.clear()
+    with epikv_cli.attach(MODEL, budget=40, policy="epikv2") as cache:
+        MODEL.generate(IDS, cache=cache, max_new_tokens=40, **GEN)
+        held = REFRESH_SCRATCH.nbytes()
+    config = MODEL.config
+    # the largest refresh: every layer's query heads x 16 queries over the most keys stored, K + 1 = 41
+    largest = config.num_hidden_layers * config.num_attention_heads * 16 * 41
+    assert held == largest * 4 * 2  # float32 logits and weights
+    assert REFRESH_SCRATCH.nbytes() == 0
+
+
 def test_compressed_positions_through_generate():
     seen = []
     with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed") as cache:

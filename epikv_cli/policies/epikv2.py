@@ -42,6 +42,7 @@ import torch
 from ..attention import AttentionNeeds
 from ..errors import UsageError
 from ..keepsets import HeadVictims, Shortlist, gone_positions
+from ..scratch import Scratch
 from ..settings import MAX_TOKENS, CacheSettings
 from .base import Policy, Signals
 from .epikv import EpiKV
@@ -88,10 +89,13 @@ def received_by_head(
 #: The most bytes of float32 logits a refresh holds at once, by device type: layers are computed together up
 #: to it (fewer, larger operations), one at a time beyond it (a 64-layer model at K = 8192 needs 34 MB per
 #: layer). On a CPU the logits should stay in a core's L2 cache: 30 layers at 4200 keys in one 64 MiB chunk
-#: took twice as long as in 2 MiB chunks (docs/benchmarks.md); a GPU gains from fewer, larger kernels.
+#: take 15% longer than in 2 MiB chunks (twice as long before the buffers were reused, docs/benchmarks.md);
+#: a GPU gains from fewer, larger kernels.
 REFRESH_CHUNK_BYTES = {"cpu": 2 << 20}
 #: The chunk on device types not named in :data:`REFRESH_CHUNK_BYTES`.
 DEFAULT_REFRESH_CHUNK_BYTES = 64 << 20
+#: A refresh's logits and weights on a CPU, reused from refresh to refresh (two chunks), freed when a session closes.
+REFRESH_SCRATCH = Scratch()
 
 
 def refresh_chunk_bytes(device: torch.device) -> int:
@@ -168,16 +172,19 @@ def _received_chunk(
     stacked = stacked.view(layers, kv_heads, group * w, dim)
     # one batched product per layer over all its KV heads' query rows (a broadcast matmul is several times slower),
     # in the cache's dtype as eager attention computes it (no float32 copy of every key), the softmax in float32
-    logits = torch.empty((layers, kv_heads, group * w, n), dtype=dtype, device=device)
+    # logits and weights go to reused buffers on a CPU, where fresh ones this large page-fault at every refresh
+    logits = REFRESH_SCRATCH.take("logits", (layers, kv_heads, group * w, n), dtype, device)
     for layer in range(layers):
         torch.bmm(stacked[layer], keys[layer].transpose(-1, -2), out=logits[layer])
     logits = logits.view(layers, kv_heads, group, w, n)
     shape = (layers, kv_heads, group, w, newest.shape[-1])
     logits.scatter_add_(-1, newest[:, :, None, None, :].expand(shape), bias.expand(shape))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).view(layers, kv_heads, group * w, n)
+    weights = REFRESH_SCRATCH.take("weights", (layers, kv_heads, group, w, n), torch.float32, device)
+    torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights)
+    weights = weights.view(layers, kv_heads, group * w, n)
     if values is not None:
         norms = torch.stack([v.to(device).float().norm(dim=-1) for v in values])  # [layers, kv_heads, n]
-        weights = weights * norms[:, :, None, :]
+        weights.mul_(norms[:, :, None, :])
     return weights.sum(dim=2).div_(group)  # summed over the queries, mean over the group's heads
 
 
