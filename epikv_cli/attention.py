@@ -317,8 +317,10 @@ class AttentionTaps:
         for every layer's attention weights (``output_attentions=True``), O(layers x heads x n^2) at prefill."""
         return self.base == "eager" and self.needs.weights
 
+    @torch.compiler.disable
     def observe(self, module: nn.Module, query, key, attention_mask, kwargs: dict, weights) -> None:
-        """Called by the tapped kernel after it computed ``module``'s output."""
+        """Called by the tapped kernel after it computed ``module``'s output (never compiled: its ring index
+        and records change every step, and would make a compiled forward recompile every step)."""
         layer = module.layer_idx
         needs = self.needs
         if needs.queries:  # every decode step of every evicting layer: kept short

@@ -367,6 +367,7 @@ class BudgetCache(Cache):
             self.on_reset()
 
     # -- transformers hooks -------------------------------------------------------------------
+    @torch.compiler.disable  # bookkeeping in Python (slot table, plans): outside any compiled graph
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
             count = key_states.shape[-2]

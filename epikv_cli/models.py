@@ -176,6 +176,7 @@ def compile_forward(model) -> None:
     # Sessions add and remove hooks on the decoder blocks (hidden-state taps) after the first compile: guard on
     # them, so that a changed set recompiles instead of running the graph traced with the old ones
     torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     model.forward = torch.compile(model.forward, mode=mode)
 
 

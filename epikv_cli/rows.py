@@ -69,6 +69,7 @@ class RowsLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
         raise RuntimeError("rows join a RowsCache through RowsCache.adopt")
 
+    @torch.compiler.disable  # the rows' slots are Python bookkeeping: outside any compiled graph
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``[B, kv_heads, 1, head_dim]`` at each row's next slot; return ``[B, kv_heads, L, head_dim]``.
 
