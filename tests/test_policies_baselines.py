@@ -238,17 +238,6 @@ def test_pooling_over_positions_follows_logical_order_not_slots():
     assert pooled_over_positions(scores, positions, 3).tolist() == pytest.approx([0.0, 0.0, 0.9, 0.9, 0.9])
 
 
-def test_successor_credit_passes_each_token_the_most_attended_of_the_span_before_it():
-    from epikv_cli.policies.epikv2 import successor_credit
-
-    positions = torch.tensor([[7, 0, 3, 1, 2, 8]])  # slot order is not position order; 4-6 were evicted
-    received = torch.tensor([[0.1, 5.0, 0.0, 0.2, 0.7, 0.0]])  # position 0 is a sink (floor 1): it passes nothing
-    # span 2: position 1 <- {0 (sink)}: 0; 2 <- {1: 0.2, 0}: 0.2; 3 <- {2: 0.7, 1: 0.2}: 0.7;
-    # 7 <- nothing held within 2 positions (3 is 4 back): 0; 8 <- {7: 0.1}: 0.1; 0 <- nothing: 0
-    credit = successor_credit(received, positions, span=2, floor=1)
-    assert credit.tolist() == [pytest.approx([0.0, 0.0, 0.7, 0.0, 0.2, 0.1])]
-
-
 def test_epikv2_takes_recent_in_tokens_once():
     """``--recent R`` is epikv2's ``recent=R`` in tokens; giving both is refused, not silently resolved."""
     by_flag = make_policy(CacheSettings(budget=100, policy="epikv2", recent=30))

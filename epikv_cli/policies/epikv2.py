@@ -202,27 +202,6 @@ def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel:
     return out
 
 
-def successor_credit(received: torch.Tensor, positions: torch.Tensor, span: int, floor: int) -> torch.Tensor:
-    """``[..., n]``: for each slot, the largest of ``received`` among the tokens held at most ``span``
-    positions before it (0 if none): the credit a token earns for following an attended one. A model
-    copying an earlier passage attends to the token it copies now and needs the one after it next, which
-    no query has attended yet (an induction head's reading); tokens below ``floor`` (the sinks) pass nothing.
-
-    Args:
-        received: ``[..., n]`` attention each slot received; positions: ``[..., n]`` their logical positions.
-    """
-    order = positions.argsort(dim=-1)
-    ordered = positions.gather(-1, order)
-    weights = received.gather(-1, order).masked_fill(ordered < floor, 0.0)
-    padded_weights = torch.nn.functional.pad(weights, (span, 0))
-    padded_positions = torch.nn.functional.pad(ordered, (span, 0), value=-(span + 1))
-    n = weights.shape[-1]
-    before = padded_weights.unfold(-1, span, 1)[..., :n, :]  # [..., n, span]: the span held tokens before each
-    distance = ordered[..., None] - padded_positions.unfold(-1, span, 1)[..., :n, :]
-    best = before.masked_fill(distance > span, 0.0).amax(dim=-1)
-    return torch.empty_like(best).scatter_(-1, order, best)
-
-
 #: The largest recent share of K: the smallest workable K grows as 1 / (1 - share), so a share a hair below
 #: 1 would ask for billions of tokens (and min_budget would climb to them step by step).
 MAX_SHARE = 0.99
@@ -240,13 +219,13 @@ class EpiKV2(Policy):
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int, "follow": int, "lead": float,
+        "pool": int, "keep": str, "adapt": int,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0, follow: int = 0, lead: float = 1.0,
+        adapt: int = 0,
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
@@ -262,16 +241,12 @@ class EpiKV2(Policy):
             ("pool", pool, 1 <= pool <= MAX_TOKENS and pool % 2 == 1, "an odd number, 1 or more"),
             ("keep", keep, keep in ("global", "layer", "head"), "global, layer or head"),
             ("adapt", adapt, adapt in (0, 1), "0 or 1"),
-            ("follow", follow, 0 <= follow <= MAX_TOKENS, "a number of positions, 0 or more"),
-            ("lead", lead, lead >= 0, "a weight, 0 or more"),
         )
         for option, value, valid, allowed in rules:
             if not valid:
                 raise UsageError(f"epikv2 option {option}={value!r} is out of range: it must be {allowed}")
         if adapt and keep == "global":
             raise UsageError("epikv2 option adapt=1 needs keep=layer or keep=head")
-        if follow and keep == "global":
-            raise UsageError("epikv2 option follow needs keep=layer or keep=head")
         if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
             raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the others")
         self.sinks = sinks
@@ -301,8 +276,6 @@ class EpiKV2(Policy):
         self._recent_by_layer: torch.Tensor | None = None  # [layers] recent window of each layer, on the device
         self._shortlist: Shortlist | None = None  # granular: the possible victims until the next refresh
         self._shortlist_until = 0  # the last logical length the list covers
-        self.follow = follow
-        self.lead = lead
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -379,8 +352,6 @@ class EpiKV2(Policy):
             ).to(scores.device)  # [layers, kv_heads, stored]
             if self.keep == "layer":
                 received = received.mean(dim=1, keepdim=True).expand_as(received)
-            if self.follow:
-                received = received + self.lead * successor_credit(received, positions, self.follow, self.sinks)
             if self.adapt:
                 self._adapt_recent(received, positions, floor, seen)
             current = scores[:, :, :stored]  # a view: updated in place
