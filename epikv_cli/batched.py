@@ -17,7 +17,7 @@ from .engine import CacheStream, input_device
 from .policies import make_policy
 from .policies.base import Signals
 from .rows import FULL, SLIDING, RowsCache, RowView
-from .scratch import release_all
+from .scratch import ScratchHold
 from .errors import UsageError
 from .hostread import host_copies
 from .keepsets import HeadVictims
@@ -72,6 +72,7 @@ class BatchDecoder:
         self.sliding = SLIDING in self.cache.groups
         self._pending: list[tuple[Signals, list[torch.Tensor]]] = []  # per row: what its policy left to settle
         self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
+        self._scratch = ScratchHold()
 
     @property
     def batch(self) -> int:
@@ -249,7 +250,7 @@ class BatchDecoder:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
-        release_all()  # the rows' refresh buffers go with the batch
+        self._scratch.release()  # the rows' refresh buffers go with the batch (kept while rows join)
 
     def __enter__(self) -> BatchDecoder:
         return self

@@ -9,8 +9,11 @@ that do not outlive the call that takes them. Only on the device types it is mad
 default): on a GPU, PyTorch's caching allocator already reuses freed blocks, and a held buffer would
 count in the allocator's peak of whatever runs next.
 
-Every scratch is emptied by :func:`release_all`, which a session calls when it closes, so that no
-later run (another policy's, in ``epikv profile``) carries the buffers in its memory figures.
+Buffers live while something that uses them is open: a session (or a batch decoder) takes a
+:class:`ScratchHold` when it opens and lets it go when it closes; when the last hold goes, every
+scratch is emptied (:func:`release_all`), so that no later run (another policy's, in ``epikv
+profile``) carries the buffers in its memory figures, while a batch whose rows join through sessions
+of their own, or two sessions open at once, keep theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import weakref
 import torch
 
 _ALL: weakref.WeakSet[Scratch] = weakref.WeakSet()
+_holds = 0  # open ScratchHolds
 
 
 class Scratch:
@@ -63,3 +67,23 @@ def release_all() -> None:
     """Empty every :class:`Scratch` of the process."""
     for scratch in list(_ALL):
         scratch.clear()
+
+
+class ScratchHold:
+    """One user's claim on the buffers: while any hold is open, :func:`release_all` is left to the last
+    one to go. :meth:`release` is idempotent."""
+
+    def __init__(self) -> None:
+        global _holds
+        _holds += 1
+        self.open = True
+
+    def release(self) -> None:
+        """Let go; the last open hold to go empties every scratch."""
+        global _holds
+        if not self.open:
+            return
+        self.open = False
+        _holds -= 1
+        if _holds == 0:
+            release_all()

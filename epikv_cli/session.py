@@ -27,7 +27,7 @@ from .errors import UsageError
 from .hostread import host_copies
 from .policies import Policy, make_policy
 from .policies.base import Signals
-from .scratch import release_all
+from .scratch import ScratchHold
 from .settings import CacheSettings
 from .taps import HiddenStateTaps, decoder_blocks
 
@@ -73,6 +73,7 @@ class EpiKVSession:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
+        self._scratch = ScratchHold()
 
     def _new_policy(self) -> Policy:
         policy = make_policy(self.settings)
@@ -170,7 +171,7 @@ class EpiKVSession:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
-        release_all()  # work buffers kept between refreshes go with the session
+        self._scratch.release()  # work buffers kept between refreshes go with the last open session
 
     def __enter__(self) -> EpiKVSession:
         return self

@@ -203,3 +203,22 @@ def test_a_granular_rows_next_token_fills_each_heads_victim_slot_and_nothing_mov
     assert not torch.equal(after[written], before[written])  # the vacant slots took the new token's keys
     assert torch.equal(torch.gather(heads.positions[:, :, : stored + 1], -1, vacant[..., None])[..., 0],
                        torch.full(vacant.shape, position))
+
+
+def test_a_row_joining_the_batch_leaves_the_refresh_buffers_in_place():
+    """A row joins through a session of its own, closed once the row is adopted: the batch's refresh
+    buffers stay while the decoder is open (not re-allocated at every join) and go when it closes."""
+    from epikv_cli.policies.epikv2 import REFRESH_SCRATCH
+
+    model = tiny_model("llama")
+    settings = CacheSettings(budget=16, policy="epikv2", options=(("recent", "0.25"),))
+    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (20, 9)]
+    REFRESH_SCRATCH.clear()
+    with BatchDecoder(model, [settings]) as decoder:
+        decoder.add(prompts[0], settings, 60)  # its prefill refresh takes the buffers
+        buffer = REFRESH_SCRATCH.take("weights", (1,), torch.float32, "cpu").data_ptr()
+        held = REFRESH_SCRATCH.nbytes()
+        decoder.add(prompts[1], settings, 60)  # a shorter prompt: the buffers are large enough already
+        assert REFRESH_SCRATCH.nbytes() == held
+        assert REFRESH_SCRATCH.take("weights", (1,), torch.float32, "cpu").data_ptr() == buffer
+    assert REFRESH_SCRATCH.nbytes() == 0

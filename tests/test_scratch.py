@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from epikv_cli.scratch import Scratch, release_all
+from epikv_cli.scratch import Scratch, ScratchHold, release_all
 
 
 def test_take_reuses_one_buffer_per_name_and_dtype_and_grows_when_asked_for_more():
@@ -53,3 +53,17 @@ def test_other_device_types_get_a_new_tensor_each_time_and_release_all_empties_e
     assert (one.nbytes(), two.nbytes()) == (32, 16)
     release_all()
     assert (one.nbytes(), two.nbytes()) == (0, 0)
+
+
+def test_buffers_stay_until_the_last_hold_goes():
+    """Two users open at once (a batch decoder and the session a row joins through, or two sessions):
+    the first to close keeps the other's buffers; the last empties every scratch; a second release of
+    the same hold counts once."""
+    scratch = Scratch()
+    outer, inner = ScratchHold(), ScratchHold()
+    scratch.take("logits", (8,), torch.float32, "cpu")
+    inner.release()
+    inner.release()
+    assert scratch.nbytes() == 32
+    outer.release()
+    assert scratch.nbytes() == 0

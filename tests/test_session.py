@@ -58,6 +58,19 @@ def test_the_refresh_buffers_live_while_the_session_does():
     assert REFRESH_SCRATCH.nbytes() == 0
 
 
+def test_closing_one_session_keeps_the_refresh_buffers_of_another_still_open():
+    from epikv_cli.policies.epikv2 import REFRESH_SCRATCH
+
+    REFRESH_SCRATCH.clear()
+    with epikv_cli.attach(MODEL, budget=40, policy="epikv2") as cache:
+        MODEL.generate(IDS, cache=cache, max_new_tokens=40, **GEN)
+        held = REFRESH_SCRATCH.nbytes()
+        with epikv_cli.attach(MODEL, budget=40, policy="streaming"):
+            pass
+        assert REFRESH_SCRATCH.nbytes() == held
+    assert REFRESH_SCRATCH.nbytes() == 0
+
+
 def test_compressed_positions_through_generate():
     seen = []
     with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed") as cache:
