@@ -164,6 +164,12 @@ def test_granular_options_are_checked():
         with pytest.raises(UsageError, match="epikv2"):
             make_policy(CacheSettings(budget=64, policy="epikv2", options=options))
     assert make_policy(CacheSettings(budget=64, policy="epikv2")).keep == "head"  # the default
+    # copy follows the keep rule: on by default where a head's window can stretch, refused where it cannot
+    assert make_policy(CacheSettings(budget=64, policy="epikv2")).copy == 0.3
+    for options in ((("keep", "global"),), (("adapt", "1"),), (("signal", "none"),)):
+        assert make_policy(CacheSettings(budget=64, policy="epikv2", options=options)).copy == 0
+        with pytest.raises(UsageError, match="option copy needs"):
+            make_policy(CacheSettings(budget=64, policy="epikv2", options=(*options, ("copy", "0.3"))))
     assert not make_policy(CacheSettings(budget=64, policy="epikv2", options=(("keep", "global"), ("signal", "epiphany")))).granular
 
 
@@ -211,7 +217,9 @@ SHAPES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama-mqa": ("llama",
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1"))])
+@pytest.mark.parametrize(
+    "options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1")), (("copy", "0.3"), ("copyweight", "0"))],
+)
 def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, options):
     """Each step's logits equal one forward over the whole sequence in which every (layer, KV head) hides,
     from the query at position p, what it had evicted before p was fed."""
@@ -291,6 +299,41 @@ def test_granular_budget_invariants(prompt_len, extra, new_tokens, adapt, keep):
             out = stream.feed(out.argmax().view(1, 1))
 
 
+def test_a_copying_head_evicts_nothing_inside_its_stretched_window():
+    """copy=S: whenever a refresh finds a (layer, KV head) copying from beyond its window, that head evicts
+    only tokens older than the stretched window until the next refresh (what it had evicted before the
+    stretch stays evicted); the windows do stretch in this run (any consecutive step counts: copy=0.05 of
+    15 pairs, no least weight), stay within K - sinks, and change what is evicted."""
+    budget = 24
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+
+    def run(options) -> tuple[list, int]:
+        settings_ = CacheSettings(budget=budget, policy="epikv2", options=(("recent", "0.25"), *options))
+        stretched, evictions = 0, []
+        with CacheStream(MODEL, settings_, max_tokens=130) as stream:
+            out = stream.feed(ids)
+            before = stream.cache.head_slots.held(stream.cache.stored).clone()
+            for _ in range(100):
+                out = stream.feed(out.argmax().view(1, 1))
+                policy, cache = stream.session.policy, stream.cache
+                held = cache.head_slots.held(cache.stored).clone()
+                window = policy._window[..., 0] if policy.copy else torch.full(held.shape[:2], policy.recent)
+                stretched += int((window > policy.recent).sum())
+                assert int(window.max()) <= budget - 4 and int(window.min()) >= policy.recent
+                for layer in range(held.shape[0]):
+                    for head in range(held.shape[1]):
+                        lost = set(before[layer, head].tolist()) - set(held[layer, head].tolist())
+                        assert all(p < cache.seen - int(window[layer, head]) for p in lost)
+                        evictions.append(sorted(lost))
+                before = held
+        return evictions, stretched
+
+    copying, stretched = run((("copy", "0.05"), ("copyweight", "0")))
+    plain, _ = run(())
+    assert stretched > 0
+    assert copying != plain
+
+
 def test_generation_reads_the_victims_with_the_token(tokenizer):
     """The engine (one host read per step, victims named with the sampled token) makes the same tokens and
     evictions as a stream that settles after each forward."""
@@ -310,7 +353,10 @@ def test_generation_reads_the_victims_with_the_token(tokenizer):
     assert sum(map(len, evicted)) > 10
 
 
-@pytest.mark.parametrize("options", [(("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),)])
+@pytest.mark.parametrize(
+    "options",
+    [(("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),), (("period", "4"), ("copy", "0.05"), ("copyweight", "0"))],
+)
 def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options):
     """Between refreshes each step picks among a few listed candidates; searching all K every step must
     give the same victims, step by step, in every (layer, head)."""

@@ -238,6 +238,75 @@ def test_pooling_over_positions_follows_logical_order_not_slots():
     assert pooled_over_positions(scores, positions, 3).tolist() == pytest.approx([0.0, 0.0, 0.9, 0.9, 0.9])
 
 
+def far_sources_reference(queries, keys, query_positions, key_positions, eligible):
+    """Per layer, KV head, query head and query: the position of the eligible key given the most weight, and the
+    weight (one softmax per query head, written out plainly)."""
+    found, weights = [], []
+    for layer, (q, k) in enumerate(zip(queries, keys)):
+        heads, w, dim = q.shape
+        kv_heads, n = k.shape[0], k.shape[1]
+        group = heads // kv_heads
+        layer_found = torch.full((kv_heads, group, w), -1)
+        layer_weights = torch.zeros(kv_heads, group, w)
+        for head in range(heads):
+            kv = head // group
+            for i in range(w):
+                visible = key_positions[layer, kv] <= query_positions[i]
+                logits = (k[kv] @ q[head, i]) * dim**-0.5
+                attention = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=0)
+                if eligible[layer, kv].any():
+                    masked = attention.masked_fill(~eligible[layer, kv], -1.0)
+                    layer_found[kv, head % group, i] = key_positions[layer, kv, masked.argmax()]
+                    layer_weights[kv, head % group, i] = masked.max()
+        found.append(layer_found)
+        weights.append(layer_weights)
+    return torch.stack(found), torch.stack(weights)
+
+
+def test_the_refresh_finds_where_each_query_looks_among_the_far_keys():
+    """refresh_layers(far=...) against a plain per-query softmax: 3 layers (each its own chunk, as a CPU
+    groups them under a small chunk size), 2 KV heads of 3 query heads, each head holding the 4 newest and its own
+    26 of the older positions, one head with no far key at all; its received attention is unchanged by asking."""
+    from epikv_cli.policies import epikv2
+    from epikv_cli.policies.epikv2 import received_by_layers, refresh_layers
+
+    generator = torch.Generator().manual_seed(3)
+    layers, kv_heads, group, w, n, dim = 3, 2, 3, 4, 30, 8
+    queries = [torch.randn(kv_heads * group, w, dim, generator=generator) * 2 for _ in range(layers)]
+    keys = [torch.randn(kv_heads, n, dim, generator=generator) * 2 for _ in range(layers)]
+    older = [[torch.randperm(36, generator=generator)[: n - w] for _ in range(kv_heads)] for _ in range(layers)]
+    positions = torch.stack([torch.stack([torch.cat([torch.arange(36, 40), o]) for o in heads]) for heads in older])
+    query_positions = torch.arange(36, 40)
+    eligible = (positions >= 2) & (positions < 25)
+    eligible[1, 0] = False  # nothing far in layer 1's first head
+    want_sources, want_weights = far_sources_reference(queries, keys, query_positions, positions, eligible)
+    chunk = epikv2.REFRESH_CHUNK_BYTES["cpu"]
+    epikv2.REFRESH_CHUNK_BYTES["cpu"] = 1  # one layer per chunk
+    try:
+        received, sources, weights = refresh_layers(queries, keys, query_positions, positions, [None] * layers, far=eligible)
+    finally:
+        epikv2.REFRESH_CHUNK_BYTES["cpu"] = chunk
+    assert torch.equal(sources, want_sources)
+    assert torch.allclose(weights, want_weights, atol=1e-6)
+    assert (sources[1, 0] == -1).all() and (sources[0] >= 2).all()
+    assert torch.equal(received, received_by_layers(queries, keys, query_positions, positions, [None] * layers))
+
+
+def test_copy_windows_stretch_only_heads_that_read_consecutive_tokens_of_an_old_passage():
+    from epikv_cli.policies.epikv2 import COPY_MARGIN, copy_windows
+
+    # [layers 1, kv_heads 3, group 1, w 5]: head 0 copies from 100 positions back, head 1 jumps about,
+    # head 2 copies one step in two (pairs 0-1 and 2-3 advance by one) with weights too small to count
+    sources = torch.tensor([[[[96, 97, 98, 99, 100]], [[40, 12, 80, 81, 7]], [[50, 51, 60, 61, 70]]]])
+    weights = torch.tensor([[[[0.5] * 5], [[0.5] * 5], [[0.01] * 5]]])
+    windows = copy_windows(sources, weights, last=200, share=0.5, min_weight=0.05, recent=75, longest=150)
+    assert windows.tolist() == [[200 - 100 + COPY_MARGIN, 75, 75]]
+    # head 1 advances on 1 pair of 4: a share of 0.25 counts it as copying, and its window reaches back to 7,
+    # capped at the longest allowed
+    windows = copy_windows(sources, weights, last=200, share=0.25, min_weight=0.05, recent=75, longest=150)
+    assert windows.tolist() == [[108, 150, 75]]
+
+
 def test_epikv2_takes_recent_in_tokens_once():
     """``--recent R`` is epikv2's ``recent=R`` in tokens; giving both is refused, not silently resolved."""
     by_flag = make_policy(CacheSettings(budget=100, policy="epikv2", recent=30))

@@ -29,7 +29,11 @@ token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: eac
 evicting layer keeps its own set, scored by its own attention and chosen on the device, see
 :mod:`epikv_cli.keepsets`), ``layer`` (one set per layer) or ``global`` (one set for every layer, on the
 host; ``signal=epiphany``, ``credit`` and ``pool`` need it); ``adapt=1`` (``layer``/``head`` only) lets
-each layer move its recent window within [K/2, K - sinks].
+each layer move its recent window within [K/2, K - sinks]; ``copy=S`` (``layer``/``head`` only) stretches the
+recent window of a KV head that is copying a passage older than its window (for at least the share S of its
+recent queries, each query's most-weighted key beyond the window is the one after the previous query's)
+back to that passage until the next refresh, so that the rest of the passage stays (default 0.3 where
+allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count, default 0.05).
 """
 
 from __future__ import annotations
@@ -107,6 +111,15 @@ def received_by_layers(
     queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
     scaling: list[float | None], values: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """See :func:`refresh_layers`: the attention received alone."""
+    return refresh_layers(queries, keys, query_positions, key_positions, scaling, values)[0]
+
+
+def refresh_layers(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
+    scaling: list[float | None], values: list[torch.Tensor] | None = None, far: torch.Tensor | None = None,
+    far_count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``[layers, kv_heads, n]`` float32 on the first layer's device: per layer, the attention each key of each
     KV head receives from that layer's queries, summed over queries, mean over the query heads that read
     that KV head. Layers are computed together (one product per layer, everything else once for a run of
@@ -117,6 +130,13 @@ def received_by_layers(
         query_positions: ``[w]``; key_positions: ``[layers, kv_heads, n]`` (each head holds its own tokens).
         scaling: per layer, its softmax scale (None: ``dim ** -0.5``).
         values: per layer ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
+        far: ``[layers, kv_heads, n]`` bool: when given, also find where each query looks among these keys.
+        far_count: at least the most ``far`` keys any head holds (known on the host without reading ``far``);
+            None counts them (one read from the device).
+
+    Returns: the attention received, and with ``far``, per layer, KV head, query head of the group and query
+    ``[layers, kv_heads, group, w]``, the position of the ``far`` key it gives the most weight (-1 where no key
+    is ``far``) and that weight (before ``values``); else None and None.
 
     The queries must be the ``w`` newest tokens' (as a policy's recent queries are), so that no key is
     newer than the newest query and at most ``w - 1`` keys are newer than the oldest: the causal mask
@@ -131,7 +151,12 @@ def received_by_layers(
     hidden = newest.values[:, :, None, None, :] > query_positions.to(key_positions.device)[None, None, None, :, None]
     # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
     bias = torch.zeros(hidden.shape, dtype=keys[0].dtype, device=hidden.device).masked_fill_(hidden, -math.inf)
-    parts, start = [], 0
+    picks = None
+    if far is not None:  # the far keys' slots, in slot order, padded to one count for every head
+        count = max(1, int(far.sum(dim=-1).max()) if far_count is None else min(far_count, n))
+        slots = far.to(torch.uint8).topk(count, dim=-1).indices.sort(dim=-1).values  # [layers, kv_heads, count]
+        picks = (slots, far.gather(-1, slots))
+    parts, looks, start = [], [], 0
     while start < len(keys):
         device = keys[start].device
         limit = refresh_chunk_bytes(device)
@@ -139,20 +164,32 @@ def received_by_layers(
         while end < len(keys) and keys[end].device == device and (end + 1 - start) * per_layer <= limit:
             end += 1
         chunk = slice(start, end)
-        part = _received_chunk(
+        part, best = _received_chunk(
             queries[chunk], keys[chunk], newest.indices[chunk].to(device), bias[chunk].to(device), scaling[chunk],
-            None if values is None else values[chunk],
+            None if values is None else values[chunk], None if picks is None else (picks[0][chunk].to(device), picks[1][chunk].to(device)),
         )
         parts.append(part.to(keys[0].device))
+        if best is not None:
+            looks.append(tuple(part.to(keys[0].device) for part in best))
         start = end
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    received = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if far is None:
+        return received, None, None
+    weights, chosen = (torch.cat(part) for part in zip(*looks))  # chosen: [layers, kv_heads, group, w] slots
+    places = key_positions.to(chosen.device)[:, :, None, None, :].expand(*chosen.shape, n)
+    sources = places.gather(-1, chosen[..., None])[..., 0]
+    anywhere = picks[1].any(dim=-1).to(chosen.device)[:, :, None, None]
+    return received, torch.where(anywhere, sources, -1), weights
 
 
 def _received_chunk(
     queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, bias: torch.Tensor,
-    scaling: list[float | None], values: list[torch.Tensor] | None,
-) -> torch.Tensor:
-    """:func:`received_by_layers` for a run of layers on one device: ``[layers, kv_heads, n]``.
+    scaling: list[float | None], values: list[torch.Tensor] | None, far: tuple[torch.Tensor, torch.Tensor] | None,
+):
+    """:func:`refresh_layers` for a run of layers on one device: ``[layers, kv_heads, n]`` received, and with
+    ``far`` (``[layers, kv_heads, c]`` slots of far keys and whether each is far: padding is not) the largest
+    weight each query gives a far key and that key's slot (``[layers, kv_heads, group, w]`` values and
+    indices), else None.
 
     Args:
         newest: ``[layers, kv_heads, m]`` the slots of each head's ``m`` newest keys; bias: ``[layers,
@@ -181,11 +218,18 @@ def _received_chunk(
     logits.scatter_add_(-1, newest[:, :, None, None, :].expand(shape), bias.expand(shape))
     weights = REFRESH_SCRATCH.take("weights", (layers, kv_heads, group, w, n), torch.float32, device)
     torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights)
+    best = None
+    if far is not None:  # read only the far keys' weights (a quarter of them by default); padding weighs 0
+        slots, valid = far
+        shape = (*weights.shape[:-1], slots.shape[-1])
+        picked = torch.gather(weights, -1, slots[:, :, None, None, :].expand(shape)).mul_(valid[:, :, None, None, :])
+        most = picked.max(dim=-1)
+        best = (most.values, slots[:, :, None, None, :].expand(shape).gather(-1, most.indices[..., None])[..., 0])
     weights = weights.view(layers, kv_heads, group * w, n)
     if values is not None:
         norms = torch.stack([v.to(device).float().norm(dim=-1) for v in values])  # [layers, kv_heads, n]
         weights.mul_(norms[:, :, None, :])
-    return weights.sum(dim=2).div_(group)  # summed over the queries, mean over the group's heads
+    return weights.sum(dim=2).div_(group), best  # summed over the queries, mean over the group's heads
 
 
 def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -200,6 +244,31 @@ def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel:
     out = torch.empty_like(scores)
     out[order] = pooled
     return out
+
+
+#: The default ``copy`` share where the keep rule allows it (docs/quality.md, "Copies from beyond the window").
+DEFAULT_COPY = 0.3
+#: How many positions a copying head's window reaches beyond the source it reads now.
+COPY_MARGIN = 8
+
+
+def copy_windows(
+    sources: torch.Tensor, weights: torch.Tensor, last: int, share: float, min_weight: float, recent: int, longest: int,
+) -> torch.Tensor:
+    """``[layers, kv_heads]`` recent windows: ``recent``, or, for a KV head one of whose query heads copies,
+    back to the source it reads now plus :data:`COPY_MARGIN` (at most ``longest``).
+
+    A query head copies when, for at least ``share`` of its consecutive pairs of queries, the later one's
+    source (its most-weighted key older than the window, weighing at least ``min_weight``) is the token
+    right after the earlier one's: it reads an earlier passage token by token, and needs the rest of it next.
+
+    Args:
+        sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`; last: the newest query's position.
+    """
+    steps = (sources[..., 1:] - sources[..., :-1] == 1) & (weights[..., 1:] >= min_weight) & (sources[..., :-1] >= 0)
+    copying = steps.float().mean(dim=-1) >= share  # [layers, kv_heads, group]
+    reach = torch.where(copying, last - sources[..., -1] + COPY_MARGIN, 0).amax(dim=-1)
+    return reach.clamp(min=recent, max=longest)
 
 
 #: The largest recent share of K: the smallest workable K grows as 1 / (1 - share), so a share a hair below
@@ -219,13 +288,13 @@ class EpiKV2(Policy):
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int,
+        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0,
+        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05,
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
@@ -241,10 +310,15 @@ class EpiKV2(Policy):
             ("pool", pool, 1 <= pool <= MAX_TOKENS and pool % 2 == 1, "an odd number, 1 or more"),
             ("keep", keep, keep in ("global", "layer", "head"), "global, layer or head"),
             ("adapt", adapt, adapt in (0, 1), "0 or 1"),
+            ("copy", copy, copy is None or 0 <= copy <= 1, "a share from 0 (off) to 1"),
+            ("copyweight", copyweight, 0 <= copyweight <= 1, "a weight from 0 to 1"),
         )
         for option, value, valid, allowed in rules:
             if not valid:
                 raise UsageError(f"epikv2 option {option}={value!r} is out of range: it must be {allowed}")
+        copies = keep != "global" and not adapt and signal == "attention"
+        if copy and not copies:
+            raise UsageError("epikv2 option copy needs keep=layer or keep=head, signal=attention and no adapt")
         if adapt and keep == "global":
             raise UsageError("epikv2 option adapt=1 needs keep=layer or keep=head")
         if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
@@ -276,6 +350,9 @@ class EpiKV2(Policy):
         self._recent_by_layer: torch.Tensor | None = None  # [layers] recent window of each layer, on the device
         self._shortlist: Shortlist | None = None  # granular: the possible victims until the next refresh
         self._shortlist_until = 0  # the last logical length the list covers
+        self.copy = (DEFAULT_COPY if copies else 0.0) if copy is None else copy
+        self.copy_weight = copyweight
+        self._window: torch.Tensor | None = None  # copy: [layers, kv_heads, 1] each head's recent window
 
     def setup(self, num_layers: int, calibration=None) -> None:
         if self.epiphany is not None:
@@ -345,15 +422,22 @@ class EpiKV2(Policy):
             indices, live = cache.budget_layer_indices, [layer.live() for layer in cache.budget_layers]
             queries = [signals.attention.queries[index] for index in indices]
             width = queries[0].shape[1]
-            received = received_by_layers(
+            # copy=S: where the queries look among the tokens older than the default window
+            far = (positions >= floor) & (positions < seen - self.recent) if self.copy else None
+            # every head holds its sinks and its whole default window, so at most this many keys are far
+            far_count = stored - min(self.recent, seen) - min(floor, seen)
+            received, sources, weights = refresh_layers(
                 queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
                 [signals.attention.scaling.get(index) for index in indices],
-                [values[0] for _, values in live] if self.value_weighted else None,
-            ).to(scores.device)  # [layers, kv_heads, stored]
+                [values[0] for _, values in live] if self.value_weighted else None, far, far_count,
+            )
+            received = received.to(scores.device)  # [layers, kv_heads, stored]
             if self.keep == "layer":
                 received = received.mean(dim=1, keepdim=True).expand_as(received)
             if self.adapt:
                 self._adapt_recent(received, positions, floor, seen)
+            if self.copy:
+                self._follow_copies(sources.to(scores.device), weights.to(scores.device), floor, seen)
             current = scores[:, :, :stored]  # a view: updated in place
             if self.decay < 1:
                 current.mul_(self.decay)
@@ -368,7 +452,7 @@ class EpiKV2(Policy):
         if self._shortlist is not None:  # between refreshes: the victim the list decided for this step
             victims, known = self._shortlist.pick(seen)
         else:  # after a refresh (or several at once): all of them, and a new list for the next steps
-            window_start = seen - self._recent_by_layer[:, None, None]
+            window_start = seen - (self._window if self._window is not None else self._recent_by_layer[:, None, None])
             candidates = (positions >= floor) & (positions < window_start)
             if over == 1 and self.shortlisted:
                 self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period, seen)
@@ -386,6 +470,16 @@ class EpiKV2(Policy):
         """The listed slots follow the cache's moves (a single sequence's cache moves nothing in the steady state)."""
         if self._shortlist is not None:
             self._shortlist.follow(victims, last)
+
+    def _follow_copies(self, sources: torch.Tensor, weights: torch.Tensor, floor: int, seen: int) -> None:
+        """copy=S: a (layer, KV head) whose recent queries read, one step after another, consecutive tokens
+        older than its default recent window (a copy of an earlier passage, :func:`copy_windows`) stretches
+        its window back to that source until the next refresh, so that the rest of the passage stays.
+
+        Args:
+            sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`.
+        """
+        self._window = copy_windows(sources, weights, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor)[..., None]
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
         """adapt=1: move each layer's recent window by K/16 towards whichever use of its heavy slots this
