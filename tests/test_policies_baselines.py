@@ -293,18 +293,39 @@ def test_the_refresh_finds_where_each_query_looks_among_the_far_keys():
 
 
 def test_copy_windows_stretch_only_heads_that_read_consecutive_tokens_of_an_old_passage():
-    from epikv_cli.policies.epikv2 import COPY_MARGIN, copy_windows
+    from epikv_cli.policies.epikv2 import copy_windows
 
     # [layers 1, kv_heads 3, group 1, w 5]: head 0 copies from 100 positions back, head 1 jumps about,
     # head 2 copies one step in two (pairs 0-1 and 2-3 advance by one) with weights too small to count
     sources = torch.tensor([[[[96, 97, 98, 99, 100]], [[40, 12, 80, 81, 7]], [[50, 51, 60, 61, 70]]]])
     weights = torch.tensor([[[[0.5] * 5], [[0.5] * 5], [[0.01] * 5]]])
-    windows = copy_windows(sources, weights, last=200, share=0.5, min_weight=0.05, recent=75, longest=150)
-    assert windows.tolist() == [[200 - 100 + COPY_MARGIN, 75, 75]]
+    windows = copy_windows(sources, weights, last=200, share=0.5, min_weight=0.05, recent=75, longest=150, margin=8)
+    assert windows.tolist() == [[200 - 100 + 8, 75, 75]]
+    # the margin reaches further behind the source it reads now, up to the longest window allowed
+    windows = copy_windows(sources, weights, last=200, share=0.5, min_weight=0.05, recent=75, longest=150, margin=32)
+    assert windows.tolist() == [[132, 75, 75]]
+    windows = copy_windows(sources, weights, last=200, share=0.5, min_weight=0.05, recent=75, longest=120, margin=32)
+    assert windows.tolist() == [[120, 75, 75]]
     # head 1 advances on 1 pair of 4: a share of 0.25 counts it as copying, and its window reaches back to 7,
     # capped at the longest allowed
-    windows = copy_windows(sources, weights, last=200, share=0.25, min_weight=0.05, recent=75, longest=150)
+    windows = copy_windows(sources, weights, last=200, share=0.25, min_weight=0.05, recent=75, longest=150, margin=8)
     assert windows.tolist() == [[108, 150, 75]]
+
+
+def test_epikv2_stretches_a_copying_heads_window_by_its_copymargin():
+    """The policy's windows are copy_windows' with its own share, budget and ``copymargin`` (default 8)."""
+    from epikv_cli.policies.epikv2 import EpiKV2
+
+    # K = 400 (a 300-token default window), newest query at 500: [layers 1, kv_heads 2, group 1, w 4], head 0
+    # reads 167..170 one query after another, head 1 does not copy
+    sources = torch.tensor([[[[167, 168, 169, 170]], [[40, 12, 80, 7]]]])
+    weights = torch.full((1, 2, 1, 4), 0.5)
+    for margin, window in ((None, 500 - 170 + 8), (0, 330), (32, 362), (200, 400 - 4)):
+        policy = EpiKV2(400) if margin is None else EpiKV2(400, copymargin=margin)
+        policy._follow_copies(sources, weights, floor=4, seen=501)
+        assert policy._window[..., 0].tolist() == [[window, 300]]
+    with pytest.raises(UsageError, match="copymargin"):
+        EpiKV2(400, copymargin=-1)
 
 
 def test_epikv2_takes_recent_in_tokens_once():

@@ -33,7 +33,8 @@ each layer move its recent window within [K/2, K - sinks]; ``copy=S`` (``layer``
 recent window of a KV head that is copying a passage older than its window (for at least the share S of its
 recent queries, each query's most-weighted key beyond the window is the one after the previous query's)
 back to that passage until the next refresh, so that the rest of the passage stays (default 0.3 where
-allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count, default 0.05).
+allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count, default 0.05;
+``copymargin``: how many tokens before the key it reads now the window reaches, default 8).
 """
 
 from __future__ import annotations
@@ -248,15 +249,18 @@ def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel:
 
 #: The default ``copy`` share where the keep rule allows it (docs/quality.md, "Copies from beyond the window").
 DEFAULT_COPY = 0.3
-#: How many positions a copying head's window reaches beyond the source it reads now.
-COPY_MARGIN = 8
+#: How many positions before the source it reads now a copying head's window reaches, by default (a copy loop
+#: can return to the lines just behind the one it copies; a longer margin measured no better overall:
+#: docs/quality.md, "How far behind the copy").
+DEFAULT_COPY_MARGIN = 8
 
 
 def copy_windows(
     sources: torch.Tensor, weights: torch.Tensor, last: int, share: float, min_weight: float, recent: int, longest: int,
+    margin: int,
 ) -> torch.Tensor:
     """``[layers, kv_heads]`` recent windows: ``recent``, or, for a KV head one of whose query heads copies,
-    back to the source it reads now plus :data:`COPY_MARGIN` (at most ``longest``).
+    back to the source it reads now and ``margin`` tokens before it (at most ``longest``).
 
     A query head copies when, for at least ``share`` of its consecutive pairs of queries, the later one's
     source (its most-weighted key older than the window, weighing at least ``min_weight``) is the token
@@ -267,7 +271,7 @@ def copy_windows(
     """
     steps = (sources[..., 1:] - sources[..., :-1] == 1) & (weights[..., 1:] >= min_weight) & (sources[..., :-1] >= 0)
     copying = steps.float().mean(dim=-1) >= share  # [layers, kv_heads, group]
-    reach = torch.where(copying, last - sources[..., -1] + COPY_MARGIN, 0).amax(dim=-1)
+    reach = torch.where(copying, last - sources[..., -1] + margin, 0).amax(dim=-1)
     return reach.clamp(min=recent, max=longest)
 
 
@@ -288,13 +292,13 @@ class EpiKV2(Policy):
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float,
+        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float, "copymargin": int,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05,
+        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05, copymargin: int = DEFAULT_COPY_MARGIN,
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
@@ -312,6 +316,7 @@ class EpiKV2(Policy):
             ("adapt", adapt, adapt in (0, 1), "0 or 1"),
             ("copy", copy, copy is None or 0 <= copy <= 1, "a share from 0 (off) to 1"),
             ("copyweight", copyweight, 0 <= copyweight <= 1, "a weight from 0 to 1"),
+            ("copymargin", copymargin, 0 <= copymargin <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
         )
         for option, value, valid, allowed in rules:
             if not valid:
@@ -352,6 +357,7 @@ class EpiKV2(Policy):
         self._shortlist_until = 0  # the last logical length the list covers
         self.copy = (DEFAULT_COPY if copies else 0.0) if copy is None else copy
         self.copy_weight = copyweight
+        self.copy_margin = copymargin
         self._window: torch.Tensor | None = None  # copy: [layers, kv_heads, 1] each head's recent window
 
     def setup(self, num_layers: int, calibration=None) -> None:
@@ -474,12 +480,15 @@ class EpiKV2(Policy):
     def _follow_copies(self, sources: torch.Tensor, weights: torch.Tensor, floor: int, seen: int) -> None:
         """copy=S: a (layer, KV head) whose recent queries read, one step after another, consecutive tokens
         older than its default recent window (a copy of an earlier passage, :func:`copy_windows`) stretches
-        its window back to that source until the next refresh, so that the rest of the passage stays.
+        its window back to that source (and ``copymargin`` tokens before it) until the next refresh, so that
+        the rest of the passage stays.
 
         Args:
             sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`.
         """
-        self._window = copy_windows(sources, weights, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor)[..., None]
+        self._window = copy_windows(
+            sources, weights, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor, self.copy_margin,
+        )[..., None]
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
         """adapt=1: move each layer's recent window by K/16 towards whichever use of its heavy slots this
