@@ -60,14 +60,18 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_grad_enabled(False)
-    loaded = load(ModelSettings(model=args.model, attn="eager"))
-    model, tokenizer = loaded.model, loaded.tokenizer
     problem = load_problems(args.prompts, limit=1, offset=args.offset)[0]
-    record = next(r for r in map(json.loads, args.trace.read_text().splitlines()) if r["id"] == problem.id)
+    record = next((r for r in map(json.loads, args.trace.read_text().splitlines()) if r["id"] == problem.id), None)
+    if record is None or "reference_tokens" not in record:
+        parser.error(f"{args.trace} holds no --trace record of {problem.id}; run epikv fidelity --trace on that prompt")
     reference = record["reference_tokens"]
-    result = next(r for r in record["results"] if r["policy"] == args.policy and args.budget in (None, r["budget"]))
+    result = next((r for r in record["results"] if r["policy"] == args.policy and args.budget in (None, r["budget"])), None)
+    if result is None or "kl_by_position" not in result:
+        parser.error(f"the record of {problem.id} has no traced result of {args.policy} at budget {args.budget or 'any'}")
     kl = result["kl_by_position"]
     spikes = sorted(sorted(range(1, len(reference)), key=lambda step: -kl[step])[: args.spikes])
+    loaded = load(ModelSettings(model=args.model, attn="eager"))
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids = protocol_ids(tokenizer, problem)
     prompt_len = ids.shape[1]
     budget = BudgetSpec.parse(result["budget"])
