@@ -428,10 +428,11 @@ class EpiKV2(Policy):
             indices, live = cache.budget_layer_indices, [layer.live() for layer in cache.budget_layers]
             queries = [signals.attention.queries[index] for index in indices]
             width = queries[0].shape[1]
-            # copy=S: where the queries look among the tokens older than the default window
-            far = (positions >= floor) & (positions < seen - self.recent) if self.copy else None
-            # every head holds its sinks and its whole default window, so at most this many keys are far
-            far_count = stored - min(self.recent, seen) - min(floor, seen)
+            far = far_count = None
+            if self.copy:  # where the queries look among the tokens older than the default window
+                far = (positions >= floor) & (positions < seen - self.recent)
+                # every head holds its sinks and its whole default window, so at most this many keys are far
+                far_count = stored - min(self.recent, seen) - min(floor, seen)
             received, sources, weights = refresh_layers(
                 queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
                 [signals.attention.scaling.get(index) for index in indices],
