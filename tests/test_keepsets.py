@@ -303,7 +303,7 @@ def test_a_copying_head_evicts_nothing_inside_its_stretched_window():
     """copy=S: whenever a refresh finds a (layer, KV head) copying from beyond its window, that head evicts
     only tokens older than the stretched window until the next refresh (what it had evicted before the
     stretch stays evicted); the windows do stretch in this run (any consecutive step counts: copy=0.05 of
-    15 pairs, no least weight), stay within K - sinks, and change what is evicted."""
+    15 pairs, no least weight), stay within K - sinks, and change what is evicted; so with ``loop``."""
     budget = 24
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
 
@@ -328,10 +328,45 @@ def test_a_copying_head_evicts_nothing_inside_its_stretched_window():
                 before = held
         return evictions, stretched
 
-    copying, stretched = run((("copy", "0.05"), ("copyweight", "0")))
-    plain, _ = run(())
+    copying, stretched = run((("copy", "0.05"), ("copyweight", "0"), ("loop", "0")))
+    plain, _ = run((("copy", "0"),))
     assert stretched > 0
     assert copying != plain
+    # loop=G also follows repeats from G or more tokens back inside the window: other windows, other victims
+    looping, stretched_looping = run((("copy", "0.05"), ("copyweight", "0"), ("loop", "3")))
+    assert stretched_looping > 0
+    assert looping != copying
+
+
+@pytest.mark.parametrize("loop", [0, 5, 40])
+def test_copy_looks_beyond_the_window_and_with_loop_inside_it_from_loop_back(monkeypatch, loop):
+    """Each refresh asks where the queries look among the tokens past the sinks and older than the recent window,
+    and, with 0 < loop < the window, also among the window's tokens from ``loop`` back: checked against the
+    positions each head holds at that refresh."""
+    asked = []
+    real = epikv2.refresh_layers
+
+    def recording(queries, keys, query_positions, key_positions, scaling, values=None, far=None):
+        asked.append((int(query_positions[-1]) + 1, key_positions.clone(), None if far is None else far.clone()))
+        return real(queries, keys, query_positions, key_positions, scaling, values, far)
+
+    monkeypatch.setattr(epikv2, "refresh_layers", recording)
+    settings_ = CacheSettings(budget=24, policy="epikv2", options=(("recent", "0.5"), ("loop", str(loop))))
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(7))
+    with CacheStream(MODEL, settings_, max_tokens=80) as stream:
+        out = stream.feed(ids)
+        for _ in range(60):
+            out = stream.feed(out.argmax().view(1, 1))
+    assert len(asked) >= 4
+    recent = 12
+    for seen, positions, far in asked:
+        beyond = (positions >= 4) & (positions < seen - recent)
+        if 0 < loop < recent:
+            inside = (positions >= 4) & (positions >= seen - recent) & (positions < seen - loop)
+            assert torch.equal(far, torch.stack([beyond, inside]))
+            assert inside.any()
+        else:
+            assert torch.equal(far, beyond)
 
 
 def test_generation_reads_the_victims_with_the_token(tokenizer):
@@ -355,7 +390,10 @@ def test_generation_reads_the_victims_with_the_token(tokenizer):
 
 @pytest.mark.parametrize(
     "options",
-    [(("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),), (("period", "4"), ("copy", "0.05"), ("copyweight", "0"))],
+    [
+        (("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),), (("period", "4"), ("copy", "0.05"), ("copyweight", "0")),
+        (("period", "4"), ("copy", "0.05"), ("copyweight", "0"), ("loop", "4")),
+    ],
 )
 def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options):
     """Between refreshes each step picks among a few listed candidates; searching all K every step must

@@ -290,6 +290,13 @@ def test_the_refresh_finds_where_each_query_looks_among_the_far_keys():
     assert torch.allclose(weights, want_weights, atol=1e-6)
     assert (sources[1, 0] == -1).all() and (sources[0] >= 2).all()
     assert torch.equal(received, received_by_layers(queries, keys, query_positions, positions, [None] * layers))
+    # two sets at once (as copy and loop ask): each found as if alone, with a leading dimension per set
+    near = (positions >= 25) & (positions < 34)
+    both = refresh_layers(queries, keys, query_positions, positions, [None] * layers, far=torch.stack([eligible, near]))
+    near_sources, near_weights = far_sources_reference(queries, keys, query_positions, positions, near)
+    assert torch.equal(both[1], torch.stack([want_sources, near_sources]))
+    assert torch.allclose(both[2], torch.stack([want_weights, near_weights]), atol=1e-6)
+    assert torch.equal(both[0], received)
 
 
 def test_copy_windows_stretch_only_heads_that_read_consecutive_tokens_of_an_old_passage():
@@ -312,20 +319,63 @@ def test_copy_windows_stretch_only_heads_that_read_consecutive_tokens_of_an_old_
     assert windows.tolist() == [[108, 150, 75]]
 
 
+def test_copy_windows_with_loops_keep_the_period_before_a_source_inside_the_window():
+    from epikv_cli.policies.epikv2 import copy_windows
+
+    # [layers 1, kv_heads 4, group 1, w 4], newest query at 200, a 75-token window. Inside the window: head 0
+    # repeats what it wrote 40 tokens back (a loop of period 40), head 2 from 72 back (a period whose double
+    # passes the longest window), head 3 from 20 back (its double still inside the window); head 1 jumps about
+    # inside but copies from 100 back, beyond the window
+    near = torch.tensor([[[[157, 158, 159, 160]], [[140, 170, 131, 150]], [[125, 126, 127, 128]], [[177, 178, 179, 180]]]])
+    far = torch.tensor([[[[10, 50, 20, 5]], [[97, 98, 99, 100]], [[10, 50, 20, 5]], [[10, 50, 20, 5]]]])
+    weights = torch.full((1, 4, 1, 4), 0.5)
+    looped = copy_windows(far, weights, 200, 0.5, 0.05, recent=75, longest=150, margin=8, near=(near, weights))
+    assert looped.tolist() == [[2 * 40 + 8, 100 + 8, 150, 75]]
+    # without the sources inside the window, only the copy from beyond it stretches
+    assert copy_windows(far, weights, 200, 0.5, 0.05, recent=75, longest=150, margin=8).tolist() == [[75, 108, 75, 75]]
+    # a head copying both ways keeps the longer reach: beyond the window 100 back, inside 60 back (2 x 60 + 8)
+    both = copy_windows(far[:, 1:2], weights[:, :1], 200, 0.5, 0.05, 75, 150, 8, near=(near[:, :1] - 20, weights[:, :1]))
+    assert both.tolist() == [[128]]
+    # weights below the least weight count as no copy, inside the window as beyond it
+    faint = torch.full((1, 4, 1, 4), 0.01)
+    assert copy_windows(far, faint, 200, 0.5, 0.05, 75, 150, 8, near=(near, faint)).tolist() == [[75, 75, 75, 75]]
+
+
 def test_epikv2_stretches_a_copying_heads_window_by_its_copymargin():
-    """The policy's windows are copy_windows' with its own share, budget and ``copymargin`` (default 8)."""
+    """The policy's windows are copy_windows' with its own share, budget and ``copymargin`` (default 16)."""
     from epikv_cli.policies.epikv2 import EpiKV2
 
     # K = 400 (a 300-token default window), newest query at 500: [layers 1, kv_heads 2, group 1, w 4], head 0
     # reads 167..170 one query after another, head 1 does not copy
     sources = torch.tensor([[[[167, 168, 169, 170]], [[40, 12, 80, 7]]]])
     weights = torch.full((1, 2, 1, 4), 0.5)
-    for margin, window in ((None, 500 - 170 + 8), (0, 330), (32, 362), (200, 400 - 4)):
+    for margin, window in ((None, 500 - 170 + 16), (0, 330), (32, 362), (200, 400 - 4)):
         policy = EpiKV2(400) if margin is None else EpiKV2(400, copymargin=margin)
         policy._follow_copies(sources, weights, floor=4, seen=501)
         assert policy._window[..., 0].tolist() == [[window, 300]]
     with pytest.raises(UsageError, match="copymargin"):
         EpiKV2(400, copymargin=-1)
+
+
+def test_epikv2_loop_keeps_the_repetition_before_the_one_a_head_reads():
+    """loop=G (default 32 with copy): a head repeating its own window's tokens from d >= G back keeps 2 d +
+    copymargin (default 16); loop=0 does not; loop needs copy."""
+    from epikv_cli.policies.epikv2 import DEFAULT_LOOP, EpiKV2
+
+    # K = 400 (a 300-token default window), newest query at 500: inside the window head 0 reads 337..340, 160
+    # back; beyond it neither head copies. [2 (beyond, inside), layers 1, kv_heads 2, group 1, w 4]
+    inside = torch.tensor([[[[337, 338, 339, 340]], [[340, 312, 380, 307]]]])
+    beyond = torch.tensor([[[[40, 12, 80, 7]], [[40, 12, 80, 7]]]])
+    sources, weights = torch.stack([beyond, inside]), torch.full((2, 1, 2, 1, 4), 0.5)
+    for options, window in (({}, 2 * 160 + 16), ({"copymargin": 0}, 320)):
+        policy = EpiKV2(400, **options)
+        policy._follow_copies(sources, weights, floor=4, seen=501)
+        assert policy._window[..., 0].tolist() == [[window, 300]]
+    assert EpiKV2(400).loop == DEFAULT_LOOP == 32
+    assert EpiKV2(400, copy=0).loop == 0 and EpiKV2(400, keep="global").loop == 0
+    for options in ({"copy": 0, "loop": 32}, {"keep": "global", "loop": 32}, {"loop": -1}):
+        with pytest.raises(UsageError, match="loop"):
+            EpiKV2(400, **options)
 
 
 def test_epikv2_takes_recent_in_tokens_once():

@@ -34,7 +34,9 @@ recent window of a KV head that is copying a passage older than its window (for 
 recent queries, each query's most-weighted key beyond the window is the one after the previous query's)
 back to that passage until the next refresh, so that the rest of the passage stays (default 0.3 where
 allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count, default 0.05;
-``copymargin``: how many tokens before the key it reads now the window reaches, default 8).
+``copymargin``: how many tokens before the key it reads now the window reaches, default 16; ``loop=G``: a head
+that copies from G or more tokens back inside its window, a loop, keeps the period before too: its window
+reaches back twice as far as the key it reads, default 32, ``loop=0`` follows only copies from beyond the window).
 """
 
 from __future__ import annotations
@@ -119,7 +121,6 @@ def received_by_layers(
 def refresh_layers(
     queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
     scaling: list[float | None], values: list[torch.Tensor] | None = None, far: torch.Tensor | None = None,
-    far_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``[layers, kv_heads, n]`` float32 on the first layer's device: per layer, the attention each key of each
     KV head receives from that layer's queries, summed over queries, mean over the query heads that read
@@ -131,13 +132,13 @@ def refresh_layers(
         query_positions: ``[w]``; key_positions: ``[layers, kv_heads, n]`` (each head holds its own tokens).
         scaling: per layer, its softmax scale (None: ``dim ** -0.5``).
         values: per layer ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
-        far: ``[layers, kv_heads, n]`` bool: when given, also find where each query looks among these keys.
-        far_count: at least the most ``far`` keys any head holds (known on the host without reading ``far``);
-            None counts them (one read from the device).
+        far: ``[layers, kv_heads, n]`` bool, a set of keys, or ``[2, layers, kv_heads, n]``, two disjoint sets:
+            when given, also find where each query looks among each set's keys (after the attention received
+            is summed, one pass over the weights in place: the other keys' zeroed, a second set's negated).
 
-    Returns: the attention received, and with ``far``, per layer, KV head, query head of the group and query
-    ``[layers, kv_heads, group, w]``, the position of the ``far`` key it gives the most weight (-1 where no key
-    is ``far``) and that weight (before ``values``); else None and None.
+    Returns: the attention received, and with ``far``, per set, layer, KV head, query head of the group and
+    query ``[..., layers, kv_heads, group, w]``, the position of the key of the set it gives the most weight
+    (-1 where the set holds no key of that head) and that weight (before ``values``); else None and None.
 
     The queries must be the ``w`` newest tokens' (as a policy's recent queries are), so that no key is
     newer than the newest query and at most ``w - 1`` keys are newer than the oldest: the causal mask
@@ -152,11 +153,6 @@ def refresh_layers(
     hidden = newest.values[:, :, None, None, :] > query_positions.to(key_positions.device)[None, None, None, :, None]
     # -inf added where a query cannot see a key, 0 elsewhere (exact), shared by the group's query heads
     bias = torch.zeros(hidden.shape, dtype=keys[0].dtype, device=hidden.device).masked_fill_(hidden, -math.inf)
-    picks = None
-    if far is not None:  # the far keys' slots, in slot order, padded to one count for every head
-        count = max(1, int(far.sum(dim=-1).max()) if far_count is None else min(far_count, n))
-        slots = far.to(torch.uint8).topk(count, dim=-1).indices.sort(dim=-1).values  # [layers, kv_heads, count]
-        picks = (slots, far.gather(-1, slots))
     parts, looks, start = [], [], 0
     while start < len(keys):
         device = keys[start].device
@@ -167,7 +163,7 @@ def refresh_layers(
         chunk = slice(start, end)
         part, best = _received_chunk(
             queries[chunk], keys[chunk], newest.indices[chunk].to(device), bias[chunk].to(device), scaling[chunk],
-            None if values is None else values[chunk], None if picks is None else (picks[0][chunk].to(device), picks[1][chunk].to(device)),
+            None if values is None else values[chunk], None if far is None else far[..., chunk, :, :].to(device),
         )
         parts.append(part.to(keys[0].device))
         if best is not None:
@@ -176,21 +172,21 @@ def refresh_layers(
     received = parts[0] if len(parts) == 1 else torch.cat(parts)
     if far is None:
         return received, None, None
-    weights, chosen = (torch.cat(part) for part in zip(*looks))  # chosen: [layers, kv_heads, group, w] slots
+    weights, chosen = (torch.cat(part, dim=-4) for part in zip(*looks))  # chosen: [..., layers, kv_heads, group, w] slots
     places = key_positions.to(chosen.device)[:, :, None, None, :].expand(*chosen.shape, n)
     sources = places.gather(-1, chosen[..., None])[..., 0]
-    anywhere = picks[1].any(dim=-1).to(chosen.device)[:, :, None, None]
+    anywhere = far.any(dim=-1).to(chosen.device)[..., None, None]
     return received, torch.where(anywhere, sources, -1), weights
 
 
 def _received_chunk(
     queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, bias: torch.Tensor,
-    scaling: list[float | None], values: list[torch.Tensor] | None, far: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: list[float | None], values: list[torch.Tensor] | None, far: torch.Tensor | None,
 ):
     """:func:`refresh_layers` for a run of layers on one device: ``[layers, kv_heads, n]`` received, and with
-    ``far`` (``[layers, kv_heads, c]`` slots of far keys and whether each is far: padding is not) the largest
-    weight each query gives a far key and that key's slot (``[layers, kv_heads, group, w]`` values and
-    indices), else None.
+    ``far`` (``[layers, kv_heads, n]`` or ``[2, layers, kv_heads, n]``: whether each slot belongs to the set, or to
+    each of two disjoint sets) the largest weight each query gives a key of each set and that key's slot
+    (``[..., layers, kv_heads, group, w]`` values and indices), else None.
 
     Args:
         newest: ``[layers, kv_heads, m]`` the slots of each head's ``m`` newest keys; bias: ``[layers,
@@ -219,18 +215,21 @@ def _received_chunk(
     logits.scatter_add_(-1, newest[:, :, None, None, :].expand(shape), bias.expand(shape))
     weights = REFRESH_SCRATCH.take("weights", (layers, kv_heads, group, w, n), torch.float32, device)
     torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights)
-    best = None
-    if far is not None:  # read only the far keys' weights (a quarter of them by default); padding weighs 0
-        slots, valid = far
-        shape = (*weights.shape[:-1], slots.shape[-1])
-        picked = torch.gather(weights, -1, slots[:, :, None, None, :].expand(shape)).mul_(valid[:, :, None, None, :])
-        most = picked.max(dim=-1)
-        best = (most.values, slots[:, :, None, None, :].expand(shape).gather(-1, most.indices[..., None])[..., 0])
-    weights = weights.view(layers, kv_heads, group * w, n)
+    # summed over the queries, mean over the group's heads (a value's norm multiplies every weight it gets,
+    # so it multiplies the sum)
+    received = weights.view(layers, kv_heads, group * w, n).sum(dim=2).div_(group)
     if values is not None:
-        norms = torch.stack([v.to(device).float().norm(dim=-1) for v in values])  # [layers, kv_heads, n]
-        weights.mul_(norms[:, :, None, :])
-    return weights.sum(dim=2).div_(group), best  # summed over the queries, mean over the group's heads
+        received.mul_(torch.stack([v.to(device).float().norm(dim=-1) for v in values]))  # [layers, kv_heads, n]
+    best = None
+    if far is not None and far.dim() == 3:  # the other keys' weights zeroed in place (received is summed already)
+        most = weights.mul_(far[:, :, None, None, :]).max(dim=-1)
+        best = (most.values, most.indices)
+    elif far is not None:  # two sets in one pass: the first's weights kept, the second's negated, the rest zeroed
+        signs = far[0].to(weights.dtype) - far[1].to(weights.dtype)
+        signed = weights.mul_(signs[:, :, None, None, :])
+        most, least = signed.max(dim=-1), signed.min(dim=-1)
+        best = (torch.stack([most.values, least.values.neg()]), torch.stack([most.indices, least.indices]))
+    return received, best
 
 
 def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -250,14 +249,18 @@ def pooled_over_positions(scores: torch.Tensor, positions: torch.Tensor, kernel:
 #: The default ``copy`` share where the keep rule allows it (docs/quality.md, "Copies from beyond the window").
 DEFAULT_COPY = 0.3
 #: How many positions before the source it reads now a copying head's window reaches, by default (a copy loop
-#: can return to the lines just behind the one it copies; a longer margin measured no better overall:
-#: docs/quality.md, "How far behind the copy").
-DEFAULT_COPY_MARGIN = 8
+#: can return to the lines just behind the one it copies: docs/quality.md, "How far behind the copy", and
+#: with ``loop``, "Loops inside the window").
+DEFAULT_COPY_MARGIN = 16
+#: The shortest loop a copying head's window follows by default, in tokens (``loop``, where ``copy`` is on): a
+#: head that repeats what it read this far back or more keeps the period before it too (docs/quality.md,
+#: "Loops inside the window").
+DEFAULT_LOOP = 32
 
 
 def copy_windows(
     sources: torch.Tensor, weights: torch.Tensor, last: int, share: float, min_weight: float, recent: int, longest: int,
-    margin: int,
+    margin: int, near: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[layers, kv_heads]`` recent windows: ``recent``, or, for a KV head one of whose query heads copies,
     back to the source it reads now and ``margin`` tokens before it (at most ``longest``).
@@ -265,14 +268,26 @@ def copy_windows(
     A query head copies when, for at least ``share`` of its consecutive pairs of queries, the later one's
     source (its most-weighted key older than the window, weighing at least ``min_weight``) is the token
     right after the earlier one's: it reads an earlier passage token by token, and needs the rest of it next.
+    ``near`` gives the sources inside the window (from ``loop`` tokens back): a query head copying from
+    there, ``d`` tokens back, repeats a passage of its own window (a loop of period ``d``) and reaches back
+    ``2 d + margin``: the repetition before the one it reads, which a loop's heads read too.
 
     Args:
-        sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`; last: the newest query's position.
+        sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`; last: the newest query's
+            position; near: the same for the keys inside the window, or None.
     """
+    reach = torch.where(_copies(sources, weights, share, min_weight), last - sources[..., -1] + margin, 0)
+    if near is not None:
+        looping = torch.where(_copies(*near, share, min_weight), 2 * (last - near[0][..., -1]) + margin, 0)
+        reach = torch.maximum(reach, looping)
+    return reach.amax(dim=-1).clamp(min=recent, max=longest)
+
+
+def _copies(sources: torch.Tensor, weights: torch.Tensor, share: float, min_weight: float) -> torch.Tensor:
+    """``[layers, kv_heads, group]``: whether each query head's sources advance one token at a time (see
+    :func:`copy_windows`)."""
     steps = (sources[..., 1:] - sources[..., :-1] == 1) & (weights[..., 1:] >= min_weight) & (sources[..., :-1] >= 0)
-    copying = steps.float().mean(dim=-1) >= share  # [layers, kv_heads, group]
-    reach = torch.where(copying, last - sources[..., -1] + margin, 0).amax(dim=-1)
-    return reach.clamp(min=recent, max=longest)
+    return steps.float().mean(dim=-1) >= share
 
 
 #: The largest recent share of K: the smallest workable K grows as 1 / (1 - share), so a share a hair below
@@ -292,13 +307,13 @@ class EpiKV2(Policy):
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
         "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float, "copymargin": int,
+        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float, "copymargin": int, "loop": int,
     }
 
     def __init__(
         self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
         signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05, copymargin: int = DEFAULT_COPY_MARGIN,
+        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05, copymargin: int = DEFAULT_COPY_MARGIN, loop: int | None = None,
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
@@ -317,6 +332,7 @@ class EpiKV2(Policy):
             ("copy", copy, copy is None or 0 <= copy <= 1, "a share from 0 (off) to 1"),
             ("copyweight", copyweight, 0 <= copyweight <= 1, "a weight from 0 to 1"),
             ("copymargin", copymargin, 0 <= copymargin <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
+            ("loop", loop, loop is None or 0 <= loop <= MAX_TOKENS, f"a number of tokens from 0 (off) to {MAX_TOKENS}"),
         )
         for option, value, valid, allowed in rules:
             if not valid:
@@ -324,6 +340,8 @@ class EpiKV2(Policy):
         copies = keep != "global" and not adapt and signal == "attention"
         if copy and not copies:
             raise UsageError("epikv2 option copy needs keep=layer or keep=head, signal=attention and no adapt")
+        if loop and (copy == 0 or not copies):
+            raise UsageError("epikv2 option loop follows copying heads: it needs copy on (keep=layer or keep=head, signal=attention, no adapt)")
         if adapt and keep == "global":
             raise UsageError("epikv2 option adapt=1 needs keep=layer or keep=head")
         if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
@@ -358,6 +376,7 @@ class EpiKV2(Policy):
         self.copy = (DEFAULT_COPY if copies else 0.0) if copy is None else copy
         self.copy_weight = copyweight
         self.copy_margin = copymargin
+        self.loop = (DEFAULT_LOOP if self.copy else 0) if loop is None else loop
         self._window: torch.Tensor | None = None  # copy: [layers, kv_heads, 1] each head's recent window
 
     def setup(self, num_layers: int, calibration=None) -> None:
@@ -428,15 +447,15 @@ class EpiKV2(Policy):
             indices, live = cache.budget_layer_indices, [layer.live() for layer in cache.budget_layers]
             queries = [signals.attention.queries[index] for index in indices]
             width = queries[0].shape[1]
-            far = far_count = None
-            if self.copy:  # where the queries look among the tokens older than the default window
+            far = None
+            if self.copy:  # where the queries look among the tokens older than the default window (and inside it)
                 far = (positions >= floor) & (positions < seen - self.recent)
-                # every head holds its sinks and its whole default window, so at most this many keys are far
-                far_count = stored - min(self.recent, seen) - min(floor, seen)
+                if 0 < self.loop < self.recent:
+                    far = torch.stack([far, (positions >= floor) & (positions >= seen - self.recent) & (positions < seen - self.loop)])
             received, sources, weights = refresh_layers(
                 queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
                 [signals.attention.scaling.get(index) for index in indices],
-                [values[0] for _, values in live] if self.value_weighted else None, far, far_count,
+                [values[0] for _, values in live] if self.value_weighted else None, far,
             )
             received = received.to(scores.device)  # [layers, kv_heads, stored]
             if self.keep == "layer":
@@ -482,13 +501,17 @@ class EpiKV2(Policy):
         """copy=S: a (layer, KV head) whose recent queries read, one step after another, consecutive tokens
         older than its default recent window (a copy of an earlier passage, :func:`copy_windows`) stretches
         its window back to that source (and ``copymargin`` tokens before it) until the next refresh, so that
-        the rest of the passage stays.
+        the rest of the passage stays; with ``loop``, a head repeating what it wrote ``loop`` or more tokens
+        back keeps twice that distance.
 
         Args:
-            sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`.
+            sources, weights: ``[layers, kv_heads, group, w]`` from :func:`refresh_layers`, or ``[2, ...]``: beyond
+                the window, and inside it from ``loop`` tokens back.
         """
+        near = (sources[1], weights[1]) if sources.dim() == 5 else None
+        far = (sources[0], weights[0]) if near is not None else (sources, weights)
         self._window = copy_windows(
-            sources, weights, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor, self.copy_margin,
+            *far, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor, self.copy_margin, near,
         )[..., None]
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
