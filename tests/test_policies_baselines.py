@@ -359,7 +359,7 @@ def test_epikv2_stretches_a_copying_heads_window_by_its_copymargin():
 
 def test_epikv2_loop_keeps_the_repetition_before_the_one_a_head_reads():
     """loop=G (default 32 with copy): a head repeating its own window's tokens from d >= G back keeps 2 d +
-    copymargin (default 16); loop=0 does not; loop needs copy."""
+    copymargin (default 16); loop needs copy (which keys each loop setting searches: test_keepsets.py)."""
     from epikv_cli.policies.epikv2 import DEFAULT_LOOP, EpiKV2
 
     # K = 400 (a 300-token default window), newest query at 500: inside the window head 0 reads 337..340, 160
