@@ -449,9 +449,10 @@ class EpiKV2(Policy):
             width = queries[0].shape[1]
             far = None
             if self.copy:  # where the queries look among the tokens older than the default window (and inside it)
-                far = (positions >= floor) & (positions < seen - self.recent)
+                scored, old = positions >= floor, positions < seen - self.recent
+                far = scored & old
                 if 0 < self.loop < self.recent:
-                    far = torch.stack([far, (positions >= floor) & (positions >= seen - self.recent) & (positions < seen - self.loop)])
+                    far = torch.stack([far, scored & ~old & (positions < seen - self.loop)])
             received, sources, weights = refresh_layers(
                 queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
                 [signals.attention.scaling.get(index) for index in indices],
