@@ -26,7 +26,7 @@ from .cache import HEADROOM
 from .errors import UsageError
 from .hostread import host_copies
 from .memory import peak_memory, reset_peak
-from .policies import POLICIES, make_policy
+from .policies import make_policy
 from .session import EpiKVSession
 from .settings import CacheSettings, SamplingSettings
 from .textstream import IncrementalDetokenizer
@@ -275,10 +275,11 @@ class Generation:
         self.result: GenerationResult | None = None
         self.tail_text = ""  # text the detokenizer still held when generation ended
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        policy = make_policy(cache)  # its options may pick the variant (lagkv:chunks=positions scores, lagkv does not)
         #: whether the policy gives each token a frozen score (the panel's sparkline)
-        self.policy_has_scores = POLICIES[cache.policy].has_scores
+        self.policy_has_scores = policy.has_scores
         #: whether each KV head keeps its own set (a position leaves the model only when every head dropped it)
-        self.policy_per_head = make_policy(cache).granular
+        self.policy_per_head = policy.granular
         #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts
         self.bands_description: str | None = None
 

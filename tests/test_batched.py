@@ -7,7 +7,7 @@ import torch
 
 from epikv_cli.batched import BatchDecoder
 from epikv_cli.engine import CacheStream
-from epikv_cli.policies import POLICIES
+from epikv_cli.policies import POLICIES, parse_policy_spec
 from epikv_cli.settings import CacheSettings
 
 from conftest import tiny_model
@@ -23,12 +23,13 @@ def choose(logits: torch.Tensor, step: int) -> torch.Tensor:
     return (logits + BIAS[step]).argmax(-1)
 
 
-def settings_for(policy: str, prompt_len: int) -> CacheSettings:
+def settings_for(spec: str, prompt_len: int) -> CacheSettings:
+    policy, options = parse_policy_spec(spec)
     if policy == "full":
         return CacheSettings(budget=None, policy="full")
     cls = POLICIES[policy]
     small_recent = (("recent", "0.25"),) if policy == "epikv2" else ()  # so that its scores decide most evictions
-    return CacheSettings(budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy, options=small_recent)
+    return CacheSettings(budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy, options=small_recent + options)
 
 
 def alone(model, ids, settings, steps=STEPS, biased=True):
@@ -46,7 +47,9 @@ def alone(model, ids, settings, steps=STEPS, biased=True):
 
 # Qwen 3 and Gemma 3 normalise keys (RMSNorm), so every key has nearly the same norm and knorm's order
 # is decided by rounding there; knorm is checked on Llama, whose key norms differ.
-CASES = [(arch, policy) for arch in ("llama", "qwen3", "gemma3") for policy in sorted(POLICIES) if arch == "llama" or policy != "knorm"]
+# lagkv:chunks=positions is another rule (scores frozen at append), not just another setting.
+SPECS = [*sorted(POLICIES), "lagkv:chunks=positions"]
+CASES = [(arch, policy) for arch in ("llama", "qwen3", "gemma3") for policy in SPECS if arch == "llama" or policy != "knorm"]
 
 
 @pytest.mark.parametrize("arch, policy", CASES)
@@ -68,7 +71,7 @@ def test_a_batch_of_prompts_equals_each_prompt_alone(arch, policy):
     for row, (want_tokens, want_logits) in enumerate(expected):
         assert tokens[row] == want_tokens, (policy, row)
         assert torch.allclose(torch.stack(seen[row]), want_logits, atol=1e-4, rtol=0), (torch.stack(seen[row]) - want_logits).abs().max()
-    assert (min(evicted) > 0) == POLICIES[policy].evicts  # rows really evicted (none under the full cache)
+    assert (min(evicted) > 0) == POLICIES[parse_policy_spec(policy)[0]].evicts  # rows really evicted (none under the full cache)
 
 
 def test_rows_leave_and_join_without_disturbing_the_others():

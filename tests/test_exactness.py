@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epikv_cli.engine import Generation
-from epikv_cli.policies import POLICIES
+from epikv_cli.policies import POLICIES, parse_policy_spec
 from epikv_cli.settings import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
@@ -39,6 +39,8 @@ def masked_reference(model, tokens: list[int], prompt_len: int, evicted_by_step:
 
 
 EVICTING = sorted(name for name, cls in POLICIES.items() if cls.evicts)  # `full` is pinned by test_equivalence
+#: policies whose options pick another rule, not just another setting
+VARIANTS = ["lagkv:chunks=positions"]
 
 
 def budget_for(policy: str, prompt_len: int) -> int:
@@ -48,15 +50,16 @@ def budget_for(policy: str, prompt_len: int) -> int:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("policy", EVICTING)
-def test_logits_equal_a_masked_full_forward(arch, policy, tokenizer):
+@pytest.mark.parametrize("spec", EVICTING + VARIANTS)
+def test_logits_equal_a_masked_full_forward(arch, spec, tokenizer):
     model = tiny_model(arch, seed=5)
     prompt_len = 30
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(11))
     # epikv2: a small recent window, so that its scores decide most evictions, and one keep-set for every
     # layer, which this reference masks (the per-head default is pinned by tests/test_keepsets.py)
+    policy, options = parse_policy_spec(spec)
     small_recent = (("recent", "0.25"), ("keep", "global")) if policy == "epikv2" else ()
-    settings = CacheSettings(budget=budget_for(policy, prompt_len), policy=policy, options=small_recent)
+    settings = CacheSettings(budget=budget_for(policy, prompt_len), policy=policy, options=small_recent + options)
     new_tokens = NEW + POLICIES[policy].slack  # R-KV compresses only after K + 128 entries
     run = Generation(model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True), keep_logits=True)
     events = list(run)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epikv_cli.engine import Generation
-from epikv_cli.policies import POLICIES, make_policy
+from epikv_cli.policies import POLICIES, make_policy, parse_policy_spec
 from epikv_cli.policies.baselines import Streaming
 from epikv_cli.policies.epikv2 import EpiKV2
 from epikv_cli.policies.h2o import H2O
@@ -32,7 +32,7 @@ class PositionLog:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(["epikv", "lagkv"]),
+    policy=st.sampled_from(["epikv", "lagkv", "lagkv:chunks=positions"]),
     prompt_len=st.integers(1, 20),
     slack=st.integers(1, 30),
     recent=st.one_of(st.none(), st.integers(0, 12)),
@@ -46,7 +46,8 @@ def test_budget_invariants(tokenizer, policy, prompt_len, slack, recent, new_tok
     if r is None:
         while prompt_len + min(128, budget // 4) + slack > budget:
             budget += 1
-    settings_ = CacheSettings(budget=budget, policy=policy, recent=recent, positions=positions)
+    name, options = parse_policy_spec(policy)
+    settings_ = CacheSettings(budget=budget, policy=name, recent=recent, positions=positions, options=options)
     window = settings_.recent_window
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(new_tokens))
     log = PositionLog(MODEL)
@@ -113,18 +114,19 @@ def protected(policy, prompt_len: int, seen: int, budget: int) -> set[int]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(sorted(name for name, cls in POLICIES.items() if cls.evicts)),
+    policy=st.sampled_from([*sorted(name for name, cls in POLICIES.items() if cls.evicts), "lagkv:chunks=positions"]),
     prompt_len=st.integers(1, 40),
     extra=st.integers(0, 30),
     new_tokens=st.integers(1, 220),
 )
 def test_every_policy_keeps_its_budget_and_its_promises(tokenizer, policy, prompt_len, extra, new_tokens):
     """stored <= K (+ R-KV's 128 between compressions) after every step, and nothing protected ever leaves."""
+    policy, options = parse_policy_spec(policy)
     cls = POLICIES[policy]
-    probe = make_policy(CacheSettings(budget=64, policy=policy))
+    probe = make_policy(CacheSettings(budget=64, policy=policy, options=options))
     budget = (probe.min_budget(prompt_len) if cls.protects_prompt else probe.min_budget(0)) + extra
     # epikv2 with one keep-set (stored = seen - evicted); its per-head sets are checked in tests/test_keepsets.py
-    options = (("keep", "global"),) if policy == "epikv2" else ()
+    options += (("keep", "global"),) if policy == "epikv2" else ()
     settings_ = CacheSettings(budget=budget, policy=policy, seed=new_tokens, options=options)
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     run = Generation(MODEL, tokenizer, ids, settings_, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import epikv_cli
-from epikv_cli.policies.lagkv import lag_scores, layer_mean
+from epikv_cli.errors import UsageError
+from epikv_cli.policies import make_policy
+from epikv_cli.policies.lagkv import FrozenLagKV, LagChunks, LagKV, lag_scores, layer_mean
+from epikv_cli.settings import CacheSettings
 
 from conftest import tiny_model
 
@@ -65,3 +68,63 @@ def test_layer_mean_and_token_scores_follow_logical_order():
         # the policy's means, accumulated at append and moved with the slots, equal a fresh pass over the cache
         scores = cache.policy.token_scores(cache)
         assert torch.allclose(scores[order], expected, atol=1e-6)
+
+
+# -- lagkv:chunks=positions: chunks of logical positions, each score frozen at append -----------------
+
+
+@pytest.mark.parametrize("blocks", [[700], [1] * 700, [300, 1, 1, 126, 128, 1, 143], [127, 1, 128, 444]])
+def test_lag_chunks_fed_in_blocks_equal_lag_scores_of_the_whole_sequence(blocks):
+    x = torch.randn(3, 700, 16, generator=torch.Generator().manual_seed(len(blocks)))
+    chunks, scores, start = LagChunks(), [], 0
+    for size in blocks:
+        scores.append(chunks.push(x[:, start : start + size]))
+        start += size
+    assert torch.equal(torch.cat(scores), lag_scores(x))
+
+
+def test_lag_chunks_hand_computed_one_token_at_a_time():
+    chunks = LagChunks(chunk=2)
+    x = torch.tensor([TOKENS], dtype=torch.float32)
+    got = [float(chunks.push(x[:, i : i + 1])) for i in range(len(TOKENS))]
+    assert got == pytest.approx(EXPECTED, abs=1e-6)
+
+
+def test_the_option_picks_the_rule_and_refuses_other_values():
+    assert type(make_policy(CacheSettings(budget=64, policy="lagkv"))) is LagKV
+    frozen = make_policy(CacheSettings(budget=64, policy="lagkv", options=(("chunks", "positions"),)))
+    assert type(frozen) is FrozenLagKV and frozen.recent == 16 and frozen.staged
+    assert type(make_policy(CacheSettings(budget=64, policy="lagkv", options=(("chunks", "cache"),)))) is LagKV
+    with pytest.raises(UsageError, match="chunks='tokens': choose cache"):
+        make_policy(CacheSettings(budget=64, policy="lagkv", options=(("chunks", "tokens"),)))
+
+
+def test_frozen_scores_are_lag_scores_of_every_token_appended_evicted_ones_included():
+    """Each token's frozen score equals lag_scores over the layer-mean keys and values of all tokens as they
+    were appended (read back from the cache right after each forward), and the evictions are the lowest."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    means_k, means_v = [], []
+    with epikv_cli.attach(model, budget=180, recent=8, policy="lagkv", options={"chunks": "positions"}) as cache:
+        with torch.inference_mode():
+            out = model(ids, cache=cache, use_cache=True)
+            keys, values = layer_mean(cache)  # nothing evicted yet: the prompt in slot (= position) order
+            means_k.append(keys), means_v.append(values)
+            for _ in range(200):
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+                slot = cache.slots_of([cache.seen - 1])[0]
+                keys, values = layer_mean(cache, slot, slot + 1)
+                means_k.append(keys), means_v.append(values)
+        assert cache.evicted_total == 150 + 200 - 180
+        expected = lag_scores(torch.cat(means_k, dim=1)) + lag_scores(torch.cat(means_v, dim=1))
+        got = torch.tensor([cache.policy.score_of(p) for p in range(cache.seen)], dtype=torch.float32)
+        assert torch.allclose(got, expected, atol=1e-5)
+        # what is left is what the keep rule leaves, replayed on these scores: after each token enters, the
+        # lowest-scoring generated token outside the recent window leaves (ties: the older)
+        live = set(range(150))
+        for position in range(150, cache.seen):
+            live.add(position)
+            if len(live) > 180:
+                candidates = [p for p in live if 150 <= p < position + 1 - 8]
+                live.remove(min(candidates, key=lambda p: (float(expected[p]), p)))
+        assert set(cache.live_positions().tolist()) == live

@@ -11,17 +11,28 @@ The lowest-scoring evictable tokens leave (same protection as EpiKV-Flat). No so
 
 Cached keys never change, so the layer means of step 1 are accumulated once per token, when it is
 appended, into slot-indexed buffers that follow the cache's slot moves (``follow_moves``): an eviction costs one
-O(K * head_dim) pass over those means instead of O(layers * K * head_dim) over the whole cache.
+O(K * head_dim) pass over those means instead of O(layers * K * head_dim) over the whole cache. It stays
+O(K) by definition: the chunks are cut over the tokens the cache holds now, so each eviction moves the first
+token of every later chunk into the chunk before it, and every later token's reference range changes.
+
+``lagkv:chunks=positions`` cuts the chunks over logical positions instead (position // 128), the way the
+tokens arrived: a token's chunk and the chunk before it never change, so its score is computed once, at
+append, against the range of the previous 128 positions as they were appended (evicted ones included), and
+frozen. Per token that is one layer mean and one O(heads * head_dim) normalisation, and eviction pops a heap
+(:class:`~.keep_scored.ScoredPolicy`): the step no longer grows with K. Until the first eviction both ways
+give the same scores.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..errors import UsageError
 from ..settings import CacheSettings
 from .base import Policy, Signals, evictable_mask, lowest
+from .keep_scored import ScoredPolicy
 
 if TYPE_CHECKING:
     from ..cache import BudgetCache
@@ -70,9 +81,14 @@ def layer_mean(cache: BudgetCache, start: int = 0, stop: int | None = None) -> t
 
 
 class LagKV(Policy):
-    """Lag-KV: scores recomputed from the cached keys and values at every eviction."""
+    """Lag-KV: scores recomputed from the cached keys and values at every eviction.
+
+    ``--policies lagkv:chunks=positions`` builds :class:`FrozenLagKV` instead (chunks of logical positions,
+    each score frozen at append); ``chunks=cache`` (the default) is the published rule.
+    """
 
     name = "lagkv"
+    OPTIONS: ClassVar[dict[str, type]] = {"chunks": str}
 
     def __init__(self, recent: int, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
         self.recent = recent
@@ -84,7 +100,12 @@ class LagKV(Policy):
         self.length = 0
 
     @classmethod
-    def from_settings(cls, settings: CacheSettings) -> LagKV:
+    def from_settings(cls, settings: CacheSettings) -> LagKV | FrozenLagKV:
+        chunks = cls.options_from(settings).get("chunks", "cache")
+        if chunks == "positions":
+            return FrozenLagKV(recent=cls.recent_from(settings))
+        if chunks != "cache":
+            raise UsageError(f"lagkv option chunks={chunks!r}: choose cache (the published rule) or positions")
         return cls(recent=cls.recent_from(settings))
 
     def observe(self, signals: Signals) -> None:
@@ -128,3 +149,91 @@ class LagKV(Policy):
         index_movers = torch.tensor(movers, device=self.mean_keys.device)
         self.mean_keys[:, index_holes] = self.mean_keys[:, index_movers]
         self.mean_values[:, index_holes] = self.mean_values[:, index_movers]
+
+
+class LagChunks:
+    """Lag-normalised scores of a stream of vectors cut into chunks of logical positions, one block at a time.
+
+    Holds the min and max of the last complete chunk (the reference of the tokens now arriving) and the
+    running min and max of the chunk being filled, each ``[heads, dim]`` on the vectors' device: O(heads * dim)
+    memory and work per token, whatever the length. Fed the whole sequence in blocks, it returns what
+    :func:`lag_scores` returns for the whole sequence at once.
+    """
+
+    def __init__(self, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
+        self.chunk = chunk
+        self.eps = eps
+        self.length = 0  # positions seen so far
+        self.reference: tuple[torch.Tensor, torch.Tensor] | None = None  # (min, max) of the last full chunk
+        self.running: tuple[torch.Tensor, torch.Tensor] | None = None  # (min, max) of the chunk being filled
+
+    def push(self, x: torch.Tensor) -> torch.Tensor:
+        """Scores of the next ``q`` positions.
+
+        Args:
+            x: ``[heads, q, dim]`` their vectors, in position order.
+        Returns:
+            ``[q]`` float32 on ``x``'s device: unbiased std over ``dim`` of each normalised vector, mean over heads.
+        """
+        x = x.float()
+        scores, start = [], 0
+        while start < x.shape[1]:
+            room = self.chunk - self.length % self.chunk  # positions left in the current chunk
+            block = x[:, start : start + room]
+            if self.reference is None:  # chunk 0 stays raw
+                normalised = block
+            else:
+                low, high = self.reference
+                normalised = (block - low) / (high - low + self.eps)
+            scores.append(normalised.std(dim=-1, unbiased=True).mean(dim=0))
+            low, high = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
+            if self.running is not None:
+                low, high = torch.minimum(low, self.running[0]), torch.maximum(high, self.running[1])
+            self.running = (low, high)
+            self.length += block.shape[1]
+            start += block.shape[1]
+            if self.length % self.chunk == 0:  # the chunk is complete: the next one normalises with it
+                self.reference, self.running = self.running, None
+        return torch.cat(scores) if scores else x.new_zeros(0)
+
+
+class FrozenLagKV(ScoredPolicy):
+    """Lag-KV over chunks of logical positions (``lagkv:chunks=positions``): each token scored once, at append.
+
+    Its score is that of :func:`lag_scores` over every token appended so far (evicted ones included), keys
+    plus values, from the layer means of its key and value; the lowest-scoring evictable tokens leave.
+    """
+
+    name = "lagkv"
+    staged = True
+    has_scores = False  # the panel's sparkline is for epiphany scores
+
+    def __init__(self, recent: int, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
+        super().__init__()
+        self.recent = recent
+        self.keys = LagChunks(chunk, eps)
+        self.values = LagChunks(chunk, eps)
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> FrozenLagKV:
+        return cls(recent=cls.recent_from(settings))
+
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
+        """``[q]`` scores of the appended tokens on the model's device, from their layer-mean keys and values."""
+        cache = signals.cache
+        if cache is None or not len(signals.appended):
+            return []
+        if signals.appended.start != self.keys.length:
+            raise RuntimeError(
+                f"lagkv:chunks=positions saw position {signals.appended.start} after {self.keys.length} positions"
+            )
+        slots = signals.new_slots()
+        keys, values = layer_mean(cache, slots.start, slots.stop)
+        return [self.keys.push(keys) + self.values.push(values)]
+
+    def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
+        """Freeze the appended tokens' scores (``values[0]``: ``[q]`` on the host)."""
+        if not values:
+            return
+        for position, score in zip(signals.appended, values[0].tolist()):
+            self.record_score(position, score)
