@@ -359,11 +359,11 @@ def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path)
     assert f"use --budget {suggested} or more" in records(out)[0]["error"]
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])
-def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy):
+@pytest.mark.parametrize("policy, options", [("h2o", []), ("tova", []), ("rkv", []), ("knorm", []), ("lagkv", ["--policy-option", "chunks=positions"])])
+def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy, options):
     prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 200}) for i in range(2)])
     out = tmp_path / "out.jsonl"
-    result = run(tiny_model_dir, prompts, out, "--policy", policy)
+    result = run(tiny_model_dir, prompts, out, "--policy", policy, *options)
     assert result.exit_code == 0, result.stderr
     rows = records(out)
     assert [r["stats"]["policy"] for r in rows] == [policy, policy] and all(r["stats"]["evicted"] > 0 for r in rows)

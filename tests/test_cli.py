@@ -80,7 +80,11 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    "extra", [["-p", "epikv", "--bands", "0:+1,3:-1"], ["--positions", "compressed"], *(["--policy", name] for name in sorted(POLICIES) if name != "full")]
+    "extra",
+    [
+        ["-p", "epikv", "--bands", "0:+1,3:-1"], ["--positions", "compressed"], ["-p", "lagkv", "--policy-option", "chunks=positions"],
+        *(["--policy", name] for name in sorted(POLICIES) if name != "full"),
+    ],
 )
 def test_every_policy_and_mode_runs(tiny_model_dir, extra):
     result = invoke("generate", "--model", str(tiny_model_dir), "-n", "160", "-b", "24", "--json", "--ignore-eos", *extra, "hi")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -145,3 +147,34 @@ def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert (done.returncode, done.stdout) == (0, "stopped after 5\n"), done.stderr[-2000:]
+
+
+def test_events_carry_logits_only_when_asked(tokenizer):
+    plain, _ = run(tokenizer, max_new_tokens=6)
+    assert all(event.logits is None for event in plain)
+    kept = list(Generation(MODEL, tokenizer, IDS, CacheSettings(budget=512), SamplingSettings(max_new_tokens=6, ignore_eos=True), keep_logits=True))
+    assert [tuple(event.logits.shape) for event in kept] == [(MODEL.config.vocab_size,)] * 6
+    assert [e.token_id for e in kept] == [e.token_id for e in plain] == [int(e.logits.argmax()) for e in kept]
+
+
+def test_a_non_finite_score_signal_is_counted_in_the_result(tokenizer, monkeypatch):
+    """An fp16 overflow in EpiKV's hidden-state change (here: the third generated token's) is reported."""
+    from epikv_cli.policies.epikv import EpiKV
+
+    real, calls = EpiKV.stage, []
+
+    def overflowing(self, signals):
+        staged = real(self, signals)
+        calls.append(signals.prompt)
+        if calls.count(False) == 3:
+            staged[0][:, 0] = float("inf")  # every band
+        return staged
+
+    monkeypatch.setattr(EpiKV, "stage", overflowing)
+    events, result = run(tokenizer, cache=CacheSettings(budget=24, policy="epikv"), max_new_tokens=30)
+    assert result.nonfinite_scores == 1 and result.evicted == 8 + 30 - 1 - 24
+    scores = dict(pair for event in events for pair in event.scored)
+    assert sorted(scores) == list(range(8, 8 + 30 - 1)) and all(math.isfinite(score) for score in scores.values())
+    # position 10 (fed by the third decoding forward) scores 0, neither kept for ever nor evicted first; the
+    # first generated token has no earlier change to z-score against and scores 0 too; no other does
+    assert [p for p, score in scores.items() if score == 0.0] == [8, 10]

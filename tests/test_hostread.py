@@ -15,6 +15,7 @@ from epikv_cli.batched import BatchDecoder
 from epikv_cli.batchgen import BatchedGeneration, Request
 from epikv_cli.engine import Generation
 from epikv_cli.hostread import host_copies
+from epikv_cli.policies import parse_policy_spec
 from epikv_cli.settings import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
@@ -59,15 +60,16 @@ def counted_model():
         hook.remove()
 
 
-POLICIES_READING_THE_DEVICE = ["epikv", "knorm", "h2o", "tova", "epikv2", "streaming"]
+POLICIES_READING_THE_DEVICE = ["epikv", "knorm", "h2o", "tova", "epikv2", "streaming", "random", "lagkv:chunks=positions"]
 
 
 @pytest.mark.parametrize("policy", POLICIES_READING_THE_DEVICE)
 def test_a_decoding_step_reads_the_device_once(counted_model, tokenizer, policy):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2)).as_subclass(OnDevice)
-    budget = 30 if policy in ("epikv", "knorm") else 20
+    name, options = parse_policy_spec(policy)
+    budget = 30 if name in ("epikv", "knorm", "lagkv") else 20
     steps = 60
-    run = Generation(counted_model, tokenizer, ids, CacheSettings(budget=budget, policy=policy),
+    run = Generation(counted_model, tokenizer, ids, CacheSettings(budget=budget, policy=name, options=options),
                      SamplingSettings(max_new_tokens=steps, ignore_eos=True))
     reads = []
     for event in run:

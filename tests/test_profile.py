@@ -97,6 +97,47 @@ def test_a_batch_decodes_copies_of_the_prompt_together(tiny_model_dir, monkeypat
     assert rows["streaming"]["peak_stored"] == 20 and rows["epikv2"]["peak_stored"] == 20  # each prompt before its cut
 
 
+#: what issue 7 asks `--json` to hold, at the top and per policy
+JSON_KEYS = {"model", "budget", "prompt_tokens", "new_tokens", "repeats", "results"}
+ROW_KEYS = {
+    "policy", "prefill_seconds", "decode_tokens_per_s", "decode_tokens_per_s_min", "decode_tokens_per_s_max", "flatness",
+    "prefill_peak_memory_bytes", "decode_peak_memory_bytes", "kv_cache_bytes", "ratio_decode_tokens_per_s", "ratio_kv_cache_bytes",
+}
+
+
+def test_every_policy_runs_under_profile(tiny_model_dir):
+    policies = ["full", "streaming", "random", "knorm", "epikv", "lagkv", "lagkv:chunks=positions", "h2o", "tova", "rkv", "epikv2"]
+    result = invoke("--model", str(tiny_model_dir), "--policies", ",".join(policies), "-b", "24",
+                    "--prompt-tokens", "12", "--new-tokens", "20", "--repeats", "1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert JSON_KEYS <= set(data) and (data["budget"], data["prompt_tokens"], data["new_tokens"]) == (24, 12, 20)
+    rows = {r["policy"]: r for r in data["results"]}
+    assert list(rows) == policies and all(ROW_KEYS <= set(row) for row in rows.values())
+    # 12 + 20 tokens, the last never fed back: 31 stored by the full cache and by R-KV (it compresses at K + 128);
+    # every other policy holds K + 1 = 25 inside the step once the cache is full
+    assert {name: row["peak_stored"] for name, row in rows.items()} == {name: 31 if name in ("full", "rkv") else 25 for name in policies}
+
+
+def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir, tokenizer, tmp_path, monkeypatch):
+    prompts = []
+    real = profile_module.measure
+
+    def spy(model, tokenizer_, ids, run, cache, new_tokens, batch_size=1):
+        prompts.append(ids[0].tolist())
+        return real(model, tokenizer_, ids, run, cache, new_tokens, batch_size)
+
+    monkeypatch.setattr(profile_module, "measure", spy)
+    passage = tmp_path / "passage.txt"
+    passage.write_text("The quick brown fox.", encoding="utf-8")
+    result = invoke("--model", str(tiny_model_dir), "--policies", "streaming", "-b", "48", "--prompt-tokens", "45",
+                    "--new-tokens", "8", "--repeats", "1", "--prompt-file", str(passage), "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    ids = tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"]
+    assert prompts == [(ids * 3)[:45]] * 2  # warm-up and measured run
+    one_line_error(invoke("--model", str(tiny_model_dir), "--prompt-file", str(tmp_path / "none.txt")), "--prompt-file")
+
+
 def test_table_output(tiny_model_dir):
     result = invoke("--model", str(tiny_model_dir), "--policies", "full,epikv", "-b", "48", "--prompt-tokens", "20",
                     "--new-tokens", "8", "--repeats", "1", "-q")

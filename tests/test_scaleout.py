@@ -150,8 +150,9 @@ def test_two_nodes_on_localhost(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
-            [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "-m", "epikv_cli", *common],
+            # the README's multi-node command: --nnodes, --node-rank, --rdzv-endpoint
+            [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "-m", "epikv_cli", *common],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in (0, 1)
