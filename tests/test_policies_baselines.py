@@ -83,6 +83,30 @@ def test_rkv_redundancy_keeps_the_latest_copy():
     assert torch.allclose(redundancy(keys)[0], expected, atol=1e-6)
 
 
+def test_rkv_keeps_the_last_8_and_the_top_k_minus_8_of_the_mixed_score_at_each_compression():
+    """select: nothing below K + 128 stored; then the lowest of 0.1 * importance - 0.9 * redundancy (mean over
+    KV heads and layers, in logical order whatever the slots) leave, and never one of the last 8 tokens."""
+    from epikv_cli.policies.rkv import RKV
+
+    n, kv_heads, heads, dim = 150, 2, 4, 8
+    generator = torch.Generator().manual_seed(0)
+    slots_to_positions = torch.randperm(n, generator=generator)  # slot s holds position slots_to_positions[s]
+    by_position = [torch.randn(kv_heads, n, dim, generator=generator) for _ in range(2)]  # two layers, logical order
+    layers = [SimpleNamespace(keys=k, live=lambda k=k: (k[:, slots_to_positions].unsqueeze(0), None)) for k in by_position]
+    queries = {0: torch.randn(heads, 8, dim, generator=generator), 1: torch.randn(heads, 8, dim, generator=generator)}
+    cache = SimpleNamespace(live_positions=lambda: slots_to_positions.clone(), budget_layer_indices=[0, 1], budget_layers=layers)
+    policy = RKV()
+    policy.observe(SimpleNamespace(attention=SimpleNamespace(queries=queries, scaling={})))
+    mixed = sum(
+        (0.1 * importance(queries[i], by_position[i]) - 0.9 * redundancy(by_position[i])[:, :-8]).mean(dim=0) for i in (0, 1)
+    ) / 2  # [n - 8], positions 0 .. n - 9
+    assert policy.select(cache, 127) == []  # K + 127 stored: not yet
+    chosen_slots = policy.select(cache, 130)
+    chosen_positions = slots_to_positions[chosen_slots].tolist()
+    assert chosen_positions == torch.argsort(mixed, stable=True)[:130].tolist()
+    assert max(chosen_positions) < n - 8
+
+
 def states(values, heads=2, dim=4):
     """[1, heads, n, dim] keys whose row t has every entry equal to values[t]."""
     v = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1)
