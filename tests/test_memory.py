@@ -48,3 +48,17 @@ def test_generation_reports_its_own_phases_not_the_process_peak(tokenizer):
     assert result.peak_memory_kind == "process_rss"
     assert result.peak_memory_bytes < lifetime - 300 * 2**20
     assert result.peak_memory_bytes == max(result.prefill_peak_memory_bytes, result.decode_peak_memory_bytes)
+
+
+def test_on_cuda_the_peak_is_the_allocators_reset_and_summed_over_gpus(monkeypatch):
+    """The CUDA branch, with the allocator stood in for (no GPU here): reset every device's peak, then sum them."""
+    from epikv_cli import memory
+
+    peaks = {0: 5 * 2**30, 1: 3 * 2**30}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index: resets.append(index))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index: peaks[index])
+    memory.reset_peak(torch.device("cuda", 0))
+    assert resets == [0, 1]
+    assert memory.peak_memory(torch.device("cuda", 0)) == (8 * 2**30, "cuda_allocated")
