@@ -6,6 +6,7 @@ Sampling goes through transformers' logits processors and stopping criteria.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import secrets
 import sys
@@ -300,6 +301,7 @@ class Generation:
         detok = IncrementalDetokenizer(self.tokenizer)
         stop_reason = "interrupted"
         generated = 0
+        gc.collect()  # an earlier generation's cache sits in a reference cycle until collected: not this one's memory
         start = time.perf_counter()
         prefill_seconds = 0.0
         prefill_memory = None

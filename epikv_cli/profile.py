@@ -8,6 +8,7 @@ ignored) from the same prompt of real text. A policy may name the attention kern
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from contextlib import contextmanager
@@ -156,6 +157,7 @@ def measure(
     model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int, batch_size: int = 1
 ) -> RunMeasure:
     """One forced-length generation (EOS ignored); ``batch_size`` > 1 decodes that many copies together."""
+    gc.collect()  # an earlier run's cache sits in a reference cycle until collected: not this run's memory
     with attention_kernel(model, run.kernel):
         if batch_size > 1:
             return measure_batch(model, ids, cache, new_tokens, batch_size)

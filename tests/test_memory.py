@@ -77,3 +77,29 @@ def test_memory_freed_by_an_earlier_run_is_not_part_of_the_next_peak():
     del blocks
     reset_peak(cpu)
     assert peak_memory(cpu)[0] < held - 150 * 2**20
+
+
+def test_a_generation_starts_after_the_last_ones_cache_is_gone(tokenizer, monkeypatch):
+    """A session's cache sits in a reference cycle; the next prompt of a batch must not start with it alive."""
+    import weakref
+
+    from epikv_cli import engine
+
+    caches, alive_at_start = [], []
+    enter, reset = engine.EpiKVSession.__enter__, engine.reset_peak
+
+    def recording_enter(self):
+        caches.append(weakref.ref(self.cache))
+        return enter(self)
+
+    def checking_reset(device):
+        alive_at_start.append(sum(ref() is not None for ref in caches))
+        reset(device)
+
+    monkeypatch.setattr(engine.EpiKVSession, "__enter__", recording_enter)
+    monkeypatch.setattr(engine, "reset_peak", checking_reset)
+    for seed in range(3):
+        ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(seed))
+        list(Generation(MODEL, tokenizer, ids, CacheSettings(budget=None, policy="full"), SamplingSettings(max_new_tokens=5, ignore_eos=True)))
+    # each generation resets at its start (no earlier cache alive) and after its prefill (its own)
+    assert alive_at_start == [0, 1] * 3

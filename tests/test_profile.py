@@ -291,3 +291,28 @@ def test_every_cpu_probe_gets_a_fresh_worker(tmp_path, tokenizer):
 def test_policy_run_labels():
     assert PolicyRun.parse("h2o@eager").label == "h2o@eager" and PolicyRun.parse(" epikv ").kernel is None
     assert ProfileSettings(runs=(PolicyRun("full"),), budget=8).cache_for(PolicyRun("full")).budget is None
+
+
+def test_each_run_starts_after_the_last_runs_cache_is_gone(tiny_model_dir, monkeypatch):
+    """The batch decoder's cache sits in a reference cycle; a run's peak must not start with the last one's."""
+    import weakref
+
+    caches, alive_at_reset = [], []
+    init, reset = profile_module.BatchDecoder.__init__, profile_module.reset_peak
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        caches.append(weakref.ref(self.cache))
+
+    def checking_reset(device):
+        alive_at_reset.append(sum(ref() is not None for ref in caches))
+        reset(device)
+
+    monkeypatch.setattr(profile_module.BatchDecoder, "__init__", recording_init)
+    monkeypatch.setattr(profile_module, "reset_peak", checking_reset)
+    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming", "-b", "19", "--prompt-tokens", "20",
+                    "--new-tokens", "12", "--repeats", "1", "--batch-size", "2", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    # four runs (two warm-ups, two measured), each resetting at its start and after its prefill: at the first
+    # reset of each, no earlier run's cache is left (the run's own decoder is made after it)
+    assert alive_at_reset == [0, 1] * 4
