@@ -157,7 +157,6 @@ def measure(
     model, tokenizer, ids: torch.Tensor, run: PolicyRun, cache: CacheSettings, new_tokens: int, batch_size: int = 1
 ) -> RunMeasure:
     """One forced-length generation (EOS ignored); ``batch_size`` > 1 decodes that many copies together."""
-    gc.collect()  # an earlier run's cache sits in a reference cycle until collected: not this run's memory
     with attention_kernel(model, run.kernel):
         if batch_size > 1:
             return measure_batch(model, ids, cache, new_tokens, batch_size)
@@ -183,6 +182,7 @@ def measure_batch(model, ids: torch.Tensor, cache: CacheSettings, new_tokens: in
     the batch's buffers hold (every row's slots, padding and room to grow included)."""
     device = input_device(model)
     ids = ids.to(device)
+    gc.collect()  # an earlier run's cache sits in a reference cycle until collected (Generation does this itself)
     reset_peak(device)
     start = time.perf_counter()
     with BatchDecoder(model, [cache]) as decoder:

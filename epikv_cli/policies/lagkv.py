@@ -41,6 +41,16 @@ LAG_CHUNK = 128
 LAG_EPS = 1e-9
 
 
+def _scaled(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` min-max scaled by the range ``[low, high]`` of the chunk before (broadcast per head and channel)."""
+    return (x - low) / (high - low + eps)
+
+
+def _spread(x: torch.Tensor) -> torch.Tensor:
+    """``[..., heads, n, dim]`` -> ``[..., n]``: unbiased std over ``dim``, mean over heads."""
+    return x.std(dim=-1, unbiased=True).mean(dim=-2)
+
+
 def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> torch.Tensor:
     """Lag-normalised token scores.
 
@@ -60,9 +70,8 @@ def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) ->
         reference = blocks[:, :-1]
         low = reference.amin(dim=2, keepdim=True)
         high = reference.amax(dim=2, keepdim=True)
-        normalised[:, 1:] = (blocks[:, 1:] - low) / (high - low + eps)
-    normalised = normalised.view(heads, chunks * chunk, dim)[:, :n]
-    return normalised.std(dim=-1, unbiased=True).mean(dim=0)
+        normalised[:, 1:] = _scaled(blocks[:, 1:], low, high, eps)
+    return _spread(normalised.view(heads, chunks * chunk, dim)[:, :n])
 
 
 def layer_mean(cache: BudgetCache, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +189,8 @@ class LagChunks:
         while start < x.shape[1]:
             room = self.chunk - self.length % self.chunk  # positions left in the current chunk
             block = x[:, start : start + room]
-            if self.reference is None:  # chunk 0 stays raw
-                normalised = block
-            else:
-                low, high = self.reference
-                normalised = (block - low) / (high - low + self.eps)
-            scores.append(normalised.std(dim=-1, unbiased=True).mean(dim=0))
+            # chunk 0 stays raw
+            scores.append(_spread(block if self.reference is None else _scaled(block, *self.reference, self.eps)))
             low, high = block.amin(dim=1, keepdim=True), block.amax(dim=1, keepdim=True)
             if self.running is not None:
                 low, high = torch.minimum(low, self.running[0]), torch.maximum(high, self.running[1])
