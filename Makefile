@@ -24,12 +24,12 @@ demo: venv
 	$(BIN)/epikv generate --budget 128 --max-new-tokens 300 --ignore-eos "$(DEMO_PROMPT)"
 
 test: venv
-	$(BIN)/python -m epikv_cli.demo_model
+	$(BIN)/python -m epikv_cli.models.demo
 	$(BIN)/python -m pytest -q
 
 # Regenerate completions/ and man/epikv.1 from the CLI (a test fails when they are stale).
 docs: venv
-	$(BIN)/python -m epikv_cli.docgen
+	$(BIN)/python -m epikv_cli.cli.docgen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

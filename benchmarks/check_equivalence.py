@@ -13,10 +13,10 @@ import argparse
 
 import torch
 
-from epikv_cli.engine import Generation
-from epikv_cli.models import load
-from epikv_cli.prompts import build_input_ids
-from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.models.loading import load
+from epikv_cli.data.prompts import build_input_ids
+from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from epikv_cli.batch import read_results
+from epikv_cli.data.jsonl import read_results
 
 # per metric of `epikv fidelity`: the column label and the decimals shown
 COLUMNS = {"kl_after_full": ("KL", 4), "kl_all": ("KL all", 4), "top1_after_full": ("top-1", 3),

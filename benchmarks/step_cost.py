@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from epikv_cli.cache import BudgetCache
-from epikv_cli.policies import make_policy, parse_policy_spec
+from epikv_cli.core.cache import BudgetCache
+from epikv_cli.policies.registry import make_policy, parse_policy_spec
 from epikv_cli.policies.base import Signals
-from epikv_cli.settings import CacheSettings
-from epikv_cli.shapes import shape_config
+from epikv_cli.config import CacheSettings
+from epikv_cli.models.shapes import shape_config
 
 
 def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):

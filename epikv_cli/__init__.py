@@ -14,11 +14,12 @@ __version__ = "0.1.0"
 
 __all__ = ["attach", "BudgetCache", "EpiKVSession", "__version__"]
 
-_LAZY = {"attach": "session", "EpiKVSession": "session", "BudgetCache": "cache"}
+_LAZY = {"attach": "runtime.attach", "EpiKVSession": "runtime.session", "BudgetCache": "core.cache"}
 
 if TYPE_CHECKING:
-    from .cache import BudgetCache
-    from .session import EpiKVSession, attach
+    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.runtime.attach import attach
+    from epikv_cli.runtime.session import EpiKVSession
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 """``python -m epikv_cli`` runs the CLI."""
 
-from .entry import main
+from epikv_cli.cli.entry import main
 
 main()

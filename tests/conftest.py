@@ -19,7 +19,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from epikv_cli.models import byte_tokenizer
+from epikv_cli.models.loading import byte_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -73,10 +73,11 @@ def all_cases() -> list[tuple[str, str, int]]:
 
 # ---- the only part that knows the engine ------------------------------------------------------------------
 def _api():
-    from epikv_cli.batched import BatchDecoder
-    from epikv_cli.engine import CacheStream, Generation
-    from epikv_cli.policies import make_policy, parse_policy_spec
-    from epikv_cli.settings import CacheSettings, SamplingSettings
+    from epikv_cli.runtime.batched import BatchDecoder
+    from epikv_cli.runtime.stream import CacheStream
+    from epikv_cli.runtime.generation import Generation
+    from epikv_cli.policies.registry import make_policy, parse_policy_spec
+    from epikv_cli.config import CacheSettings, SamplingSettings
 
     return BatchDecoder, CacheStream, Generation, make_policy, parse_policy_spec, CacheSettings, SamplingSettings
 
@@ -152,9 +153,9 @@ def run_case(model, tokenizer, prompts: list[torch.Tensor], spec: str, budgets: 
 def load_model(name: str):
     """``(model, tokenizer, prompts)``: a tiny random model with random prompts, or the demo model with questions."""
     if name == DEMO:
-        from epikv_cli.models import load
-        from epikv_cli.prompts import build_input_ids
-        from epikv_cli.settings import ModelSettings
+        from epikv_cli.models.loading import load
+        from epikv_cli.data.prompts import build_input_ids
+        from epikv_cli.config import ModelSettings
 
         loaded = load(ModelSettings(device_map="cpu"))
         loaded.model.epikv_calibration = None  # the default bands, whatever was calibrated on this machine

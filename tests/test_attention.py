@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from epikv_cli.attention import AttentionNeeds, AttentionTaps, attention_rows
+from epikv_cli.core.attention import AttentionNeeds, AttentionTaps, attention_rows
 
 from conftest import tiny_model
 
@@ -72,7 +72,7 @@ def test_eager_kernel_weights_are_used_as_they_are():
 
 
 def test_query_ring_keeps_the_last_queries_in_order():
-    from epikv_cli.attention import QueryRing
+    from epikv_cli.core.attention import QueryRing
 
     ring = QueryRing(width=3)
     ring.write(torch.arange(2.0).view(1, 1, 2, 1))  # a 2-token prefill: queries 0, 1
@@ -92,7 +92,7 @@ def test_query_ring_reads_what_a_copy_at_once_ring_holds():
     multi-query writes and reads, across wrap-arounds, reads the last ``width`` queries in order."""
     import random
 
-    from epikv_cli.attention import QueryRing
+    from epikv_cli.core.attention import QueryRing
 
     rng = random.Random(3)
     for width in (1, 3, 8):

@@ -12,9 +12,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from epikv_cli import batch, engine
-from epikv_cli.batch import read_prompt_file, read_results
-from epikv_cli.cli import app
+from epikv_cli.cli import batch
+from epikv_cli.runtime import generation as engine
+from epikv_cli.cli.batch import read_prompt_file
+from epikv_cli.data.jsonl import read_results
+from epikv_cli.cli.app import app
 from epikv_cli.errors import UsageError
 
 runner = CliRunner()
@@ -383,7 +385,7 @@ def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_
 
 
 def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_dir, tmp_path, monkeypatch):
-    from epikv_cli import batched
+    from epikv_cli.runtime import batched
 
     prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
     real = batched.BatchDecoder.step

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.batched import BatchDecoder
-from epikv_cli.engine import CacheStream
-from epikv_cli.policies import POLICIES, parse_policy_spec
-from epikv_cli.settings import CacheSettings
+from epikv_cli.runtime.batched import BatchDecoder
+from epikv_cli.runtime.stream import CacheStream
+from epikv_cli.policies.registry import POLICIES, parse_policy_spec
+from epikv_cli.config import CacheSettings
 
 from conftest import tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.cache import HEADROOM, BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.core.cache import HEADROOM, BudgetCache, BudgetLayer, SlotTable
 from epikv_cli.errors import UsageError
 
 from conftest import ARCHITECTURES

@@ -8,8 +8,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from epikv_cli.calibrate import choose_bands, rolling_mean, spearman, window_labels, WINDOW, STRIDE
-from epikv_cli.cli import app
+from epikv_cli.cli.calibrate import choose_bands, rolling_mean, spearman, window_labels, WINDOW, STRIDE
+from epikv_cli.cli.app import app
 from epikv_cli.errors import UsageError
 
 from conftest import tiny_model

@@ -17,11 +17,11 @@ import pytest
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
-from epikv_cli import engine
-from epikv_cli.cache import HEADROOM
-from epikv_cli.cli import app
-from epikv_cli.entry import STARTUP_INTERRUPTED
-from epikv_cli.policies import POLICIES
+from epikv_cli.runtime import generation as engine
+from epikv_cli.core.cache import HEADROOM
+from epikv_cli.cli.app import app
+from epikv_cli.cli.entry import STARTUP_INTERRUPTED
+from epikv_cli.policies.registry import POLICIES
 
 runner = CliRunner()
 
@@ -282,7 +282,7 @@ def test_ctrl_c_while_the_model_loads(tiny_model_dir, monkeypatch, as_json):
     def loading(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("epikv_cli.generate.load", loading)
+    monkeypatch.setattr("epikv_cli.cli.generate.load", loading)
     result = invoke("generate", "--model", str(tiny_model_dir), *(["--json"] if as_json else []), "hello")
     assert result.exit_code == 130
     assert result.stderr.strip() == "epikv: interrupted before the first token; nothing was generated"

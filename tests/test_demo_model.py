@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from epikv_cli.cli import app
-from epikv_cli.demo_model import demo_gguf_path, ensure_demo_model
-from epikv_cli.engine import Generation
-from epikv_cli.models import load
-from epikv_cli.prompts import build_input_ids
-from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings
+from epikv_cli.cli.app import app
+from epikv_cli.models.demo import demo_gguf_path, ensure_demo_model
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.models.loading import load
+from epikv_cli.data.prompts import build_input_ids
+from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow
 

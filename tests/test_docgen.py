@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from epikv_cli import docgen
-from epikv_cli.policies import POLICIES
+from epikv_cli.cli import docgen
+from epikv_cli.policies.registry import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_files_are_current():
-    assert docgen.stale() == [], "run: python -m epikv_cli.docgen"
+    assert docgen.stale() == [], "run: python -m epikv_cli.cli.docgen"
 
 
 def test_stale_files_are_detected(tmp_path):

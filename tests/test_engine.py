@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from epikv_cli.engine import Generation, build_logits_processors
+from epikv_cli.runtime.generation import Generation, build_logits_processors
 from epikv_cli.errors import UsageError
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 
@@ -135,8 +135,8 @@ def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(
     script.write_text(
         "import torch\n"
         "from conftest import tiny_model, make_tokenizer\n"
-        "from epikv_cli.engine import Generation\n"
-        "from epikv_cli.settings import CacheSettings, SamplingSettings\n"
+        "from epikv_cli.runtime.generation import Generation\n"
+        "from epikv_cli.config import CacheSettings, SamplingSettings\n"
         "steps = iter(Generation(tiny_model('llama'), make_tokenizer(), torch.arange(3, 40)[None],\n"
         "                        CacheSettings(budget=20, policy='streaming'), SamplingSettings(max_new_tokens=50, ignore_eos=True)))\n"
         "for _ in range(5):\n"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import epikv_cli
-from epikv_cli.engine import Generation
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import ARCHITECTURES, tiny_model
 

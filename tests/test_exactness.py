@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.engine import Generation
-from epikv_cli.policies import POLICIES, parse_policy_spec
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.policies.registry import POLICIES, parse_policy_spec
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from epikv_cli.cli import app
-from epikv_cli.policies import POLICIES
+from epikv_cli.cli.app import app
+from epikv_cli.policies.registry import POLICIES
 
 runner = CliRunner()
 FUZZ = settings(

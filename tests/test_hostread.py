@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.batched import BatchDecoder
-from epikv_cli.batchgen import BatchedGeneration, Request
-from epikv_cli.engine import Generation
-from epikv_cli.hostread import host_copies
-from epikv_cli.policies import parse_policy_spec
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.runtime.batched import BatchDecoder
+from epikv_cli.runtime.batchgen import BatchedGeneration, Request
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.core.hostread import host_copies
+from epikv_cli.policies.registry import parse_policy_spec
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 

@@ -6,13 +6,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epikv_cli.engine import Generation
-from epikv_cli.policies import POLICIES, make_policy, parse_policy_spec
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.policies.registry import POLICIES, make_policy, parse_policy_spec
 from epikv_cli.policies.baselines import Streaming
 from epikv_cli.policies.epikv2 import EpiKV2
 from epikv_cli.policies.h2o import H2O
 from epikv_cli.policies.rkv import RKV
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 
@@ -48,7 +48,7 @@ def test_budget_invariants(tokenizer, policy, prompt_len, slack, recent, new_tok
             budget += 1
     name, options = parse_policy_spec(policy)
     settings_ = CacheSettings(budget=budget, policy=name, recent=recent, positions=positions, options=options)
-    window = settings_.recent_window
+    window = make_policy(settings_).recent_for(budget)
     ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(new_tokens))
     log = PositionLog(MODEL)
     try:
@@ -79,7 +79,7 @@ def test_budget_invariants(tokenizer, policy, prompt_len, slack, recent, new_tok
 @settings(max_examples=15, deadline=None)
 @given(prompt_len=st.integers(1, 16), slack=st.integers(1, 20), new_tokens=st.integers(20, 120))
 def test_prompt_and_recent_window_always_stored(tokenizer, prompt_len, slack, new_tokens):
-    from epikv_cli.session import EpiKVSession
+    from epikv_cli.runtime.session import EpiKVSession
 
     recent = 6
     budget = prompt_len + recent + slack

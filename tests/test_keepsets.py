@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from epikv_cli.engine import CacheStream, Generation
+from epikv_cli.runtime.stream import CacheStream
+from epikv_cli.runtime.generation import Generation
 from epikv_cli.errors import UsageError
-from epikv_cli.keepsets import HeadSlots, gone_positions, order_keys
-from epikv_cli.policies import make_policy
+from epikv_cli.core.keepsets import HeadSlots, gone_positions, order_keys
+from epikv_cli.policies.registry import make_policy
 from epikv_cli.policies import epikv2
 from epikv_cli.policies.epikv2 import EpiKV2, received_by_head, received_by_layers
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.engine import Generation
-from epikv_cli.memory import peak_memory, reset_peak
-from epikv_cli.settings import CacheSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.core.memory import peak_memory, reset_peak
+from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 
@@ -52,7 +52,7 @@ def test_generation_reports_its_own_phases_not_the_process_peak(tokenizer):
 
 def test_on_cuda_the_peak_is_the_allocators_reset_and_summed_over_gpus(monkeypatch):
     """The CUDA branch, with the allocator stood in for (no GPU here): reset every device's peak, then sum them."""
-    from epikv_cli import memory
+    from epikv_cli.core import memory
 
     peaks = {0: 5 * 2**30, 1: 3 * 2**30}
     resets = []
@@ -83,7 +83,7 @@ def test_a_generation_starts_after_the_last_ones_cache_is_gone(tokenizer, monkey
     """A session's cache sits in a reference cycle; the next prompt of a batch must not start with it alive."""
     import weakref
 
-    from epikv_cli import engine
+    from epikv_cli.runtime import generation as engine
 
     caches, alive_at_start = [], []
     enter, reset = engine.EpiKVSession.__enter__, engine.reset_peak

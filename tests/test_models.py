@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from epikv_cli.errors import ModelLoadError, UsageError
-from epikv_cli.models import choose_attn, load, resolve_source
-from epikv_cli.settings import ModelSettings
+from epikv_cli.models.loading import choose_attn, load, resolve_source
+from epikv_cli.config import ModelSettings
 
 
 def test_resolve_directory(tiny_model_dir):
@@ -82,7 +82,7 @@ def test_a_compiled_forward_runs_the_hooks_of_sessions_attached_after_it_was_tra
     the decoder blocks. Its hooks must run (the graph recompiles), giving the tokens of the plain forward."""
     import epikv_cli
     from conftest import tiny_model
-    from epikv_cli.models import compile_forward
+    from epikv_cli.models.loading import compile_forward
 
     model = tiny_model("llama", seed=5)
     ids = torch.arange(3, 13).unsqueeze(0)
@@ -110,7 +110,7 @@ def test_a_compiled_forward_compiles_as_often_for_a_long_generation_as_for_a_sho
 
     import epikv_cli
     from conftest import tiny_model
-    from epikv_cli.models import compile_forward
+    from epikv_cli.models.loading import compile_forward
 
     ids = torch.arange(3, 13).unsqueeze(0)
     compiled = {}
@@ -133,7 +133,7 @@ def test_compiled_forward_gives_the_same_greedy_tokens(tiny_model_dir):
 
     from typer.testing import CliRunner
 
-    from epikv_cli.cli import app
+    from epikv_cli.cli.app import app
 
     args = ["generate", "--model", str(tiny_model_dir), "-n", "60", "-b", "30", "--ignore-eos", "--json", "hello"]
     plain = json.loads(CliRunner().invoke(app, args).stdout)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from epikv_cli.errors import UsageError
-from epikv_cli.policies import POLICIES, make_policy
+from epikv_cli.policies.registry import POLICIES, make_policy
 from epikv_cli.policies.base import evictable_mask, lowest
 from epikv_cli.policies.baselines import RandomEviction, Streaming
 from epikv_cli.policies.epikv import EpiKV
-from epikv_cli.settings import CacheSettings
+from epikv_cli.config import CacheSettings
 
 
 def fake_cache(positions, prompt_len, seen):
@@ -101,4 +101,4 @@ def test_default_recent_window_makes_the_old_suggestion_wrong():
     """The bug this replaces: prompt + R(K) + 1 with R taken at the too-small K (32, then 40, then 42)."""
     policy = make_policy(CacheSettings(budget=1, policy="epikv"))
     assert policy.min_budget(31) == 42  # R(42) = 10: 31 + 10 + 1 = 42
-    assert CacheSettings(budget=41).recent_window == 10 and not 41 > 31 + 10
+    assert policy.recent_for(41) == 10 and not 41 > 31 + 10

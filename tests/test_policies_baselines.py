@@ -8,16 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epikv_cli.attention import AttentionRecord
-from epikv_cli.cache import BudgetCache
+from epikv_cli.core.attention import AttentionRecord
+from epikv_cli.core.cache import BudgetCache
 from epikv_cli.errors import UsageError
-from epikv_cli.policies import make_policy
+from epikv_cli.policies.registry import make_policy
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.h2o import H2O
 from epikv_cli.policies.knorm import KeyNorm
 from epikv_cli.policies.rkv import importance, redundancy
 from epikv_cli.policies.tova import TOVA
-from epikv_cli.settings import CacheSettings
+from epikv_cli.config import CacheSettings
 
 from conftest import ARCHITECTURES
 
@@ -180,7 +180,7 @@ def test_epikv2_heap_picks_what_a_full_sort_picks_across_refreshes():
 
 
 def test_policy_options_are_typed_and_checked():
-    from epikv_cli.policies import parse_policy_spec
+    from epikv_cli.policies.registry import parse_policy_spec
 
     assert parse_policy_spec("epikv2:period=8:decay=0.9") == ("epikv2", (("period", "8"), ("decay", "0.9")))
     policy = make_policy(CacheSettings(budget=100, policy="epikv2", options=(("period", "8"),)))

@@ -169,9 +169,9 @@ def test_a_non_finite_change_does_not_poison_the_window():
 
 
 def test_bands_option_picks_default_or_calibrated_whatever_else_is_there():
-    from epikv_cli.calibrate import Calibration
-    from epikv_cli.policies import make_policy
-    from epikv_cli.settings import CacheSettings
+    from epikv_cli.models.calibration import Calibration
+    from epikv_cli.policies.registry import make_policy
+    from epikv_cli.config import CacheSettings
 
     saved = Calibration("m", [(3, 1.0), (7, -1.0)], [0.0] * 32, 10, 2, 64, path="bands.json")
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from epikv_cli.scaleout import Ranks
+from epikv_cli.runtime.scaleout import Ranks
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 

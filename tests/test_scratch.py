@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from epikv_cli.scratch import Scratch, ScratchHold, release_all
+from epikv_cli.core.scratch import Scratch, ScratchHold, release_all
 
 
 def test_take_reuses_one_buffer_per_name_and_dtype_and_grows_when_asked_for_more():

@@ -171,8 +171,8 @@ def test_baselines_run_under_plain_generate(policy):
 
 def test_sessions_sharing_a_model_in_lockstep_match_each_run_alone(tokenizer):
     """Two generations stepped alternately on one model (as fidelity replays do) see only their own forwards."""
-    from epikv_cli.engine import Generation
-    from epikv_cli.settings import CacheSettings, SamplingSettings
+    from epikv_cli.runtime.generation import Generation
+    from epikv_cli.config import CacheSettings, SamplingSettings
 
     def make(policy):
         return Generation(MODEL, tokenizer, IDS, CacheSettings(budget=24, policy=policy), SamplingSettings(max_new_tokens=60, ignore_eos=True))

@@ -9,7 +9,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import epikv_cli
 from epikv_cli.errors import UsageError
-from epikv_cli.policies import POLICIES
+from epikv_cli.policies.registry import POLICIES
 
 from conftest import tiny_model
 

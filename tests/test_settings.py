@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epikv_cli.errors import UsageError
-from epikv_cli.policies import make_policy
-from epikv_cli.settings import CacheSettings, ModelSettings, SamplingSettings, default_recent, parse_bands
+from epikv_cli.policies.registry import check_settings, make_policy
+from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings, parse_bands
+from epikv_cli.policies.base import default_recent
 
 
 def test_parse_bands():
@@ -25,8 +26,8 @@ def test_malformed_bands(text):
 def test_recent_window_default():
     assert default_recent(8192) == 128
     assert default_recent(128) == 32
-    assert CacheSettings(budget=100).recent_window == 25
-    assert CacheSettings(budget=100, recent=7).recent_window == 7
+    assert make_policy(CacheSettings(budget=100, policy="epikv")).recent_for(100) == 25
+    assert make_policy(CacheSettings(budget=100, policy="epikv", recent=7)).recent_for(100) == 7
 
 
 @pytest.mark.parametrize(
@@ -41,8 +42,9 @@ def test_recent_window_default():
     ],
 )
 def test_cache_settings_errors(kwargs, message):
+    """Field checks fail when the settings are made; checks against the policy when the registry reads them."""
     with pytest.raises(UsageError, match=message):
-        CacheSettings(**kwargs)
+        check_settings(CacheSettings(**kwargs))
 
 
 @pytest.mark.parametrize(
@@ -107,7 +109,7 @@ def test_device_index_beyond_the_gpus(monkeypatch):
 @pytest.mark.parametrize("policy", ["streaming", "full"])
 def test_recent_is_refused_where_it_means_nothing(policy):
     with pytest.raises(UsageError, match=f"--recent does not apply to policy '{policy}'") as refused:
-        CacheSettings(budget=None if policy == "full" else 64, policy=policy, recent=8)
+        check_settings(CacheSettings(budget=None if policy == "full" else 64, policy=policy, recent=8))
     assert str(refused.value).endswith("choose one of: epikv, epikv2, h2o, knorm, lagkv, random")
 
 

@@ -1,6 +1,6 @@
 """Evicted positions merge into contiguous spans, listed newest first."""
 
-from epikv_cli.spans import EvictedSpans
+from epikv_cli.cli.spans import EvictedSpans
 
 
 def test_merging_and_order():

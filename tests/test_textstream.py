@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epikv_cli.textstream import IncrementalDetokenizer
+from epikv_cli.runtime.textstream import IncrementalDetokenizer
 
 
 def test_multibyte_characters_wait_until_complete(tokenizer):

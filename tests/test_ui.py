@@ -8,11 +8,11 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from epikv_cli.cli import app
-from epikv_cli.engine import Generation, StepEvent
-from epikv_cli.policies import POLICIES
-from epikv_cli.settings import CacheSettings, SamplingSettings
-from epikv_cli.ui import LivePanel, PanelState, PanelView, sparkline
+from epikv_cli.cli.app import app
+from epikv_cli.runtime.generation import Generation, StepEvent
+from epikv_cli.policies.registry import POLICIES
+from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.cli.ui import LivePanel, PanelState, PanelView, sparkline
 
 from conftest import tiny_model
 
@@ -105,7 +105,7 @@ def test_sparkline_marks_spikes():
 
 def test_redraws_at_most_ten_times_a_second(tokenizer, monkeypatch):
     clock = {"now": 0.0}
-    monkeypatch.setattr("epikv_cli.ui.time.perf_counter", lambda: clock["now"])
+    monkeypatch.setattr("epikv_cli.cli.ui.time.perf_counter", lambda: clock["now"])
     state = PanelState(budget=10, prompt_ids=[1, 2], has_scores=True)
     console = Console(file=io.StringIO(), force_terminal=True, width=80)
     with LivePanel(console, state, PanelView(state, tokenizer)) as live:

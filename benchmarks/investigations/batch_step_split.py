@@ -20,12 +20,16 @@ import time
 
 import torch
 
-from epikv_cli import attention, batched, keepsets, rows
-from epikv_cli.batched import BatchDecoder
-from epikv_cli.models import load
-from epikv_cli.policies import epikv2, parse_policy_spec
-from epikv_cli.profile import prompt_ids
-from epikv_cli.settings import CacheSettings, ModelSettings
+from epikv_cli.core import attention
+from epikv_cli.runtime import batched
+from epikv_cli.core import keepsets
+from epikv_cli.core import rows
+from epikv_cli.runtime.batched import BatchDecoder
+from epikv_cli.models.loading import load
+from epikv_cli.policies import epikv2
+from epikv_cli.policies.registry import parse_policy_spec
+from epikv_cli.cli.profile import prompt_ids
+from epikv_cli.config import CacheSettings, ModelSettings
 
 TIMED = [
     (batched.BatchDecoder, "forward", "decoder.forward (model + stage)"),

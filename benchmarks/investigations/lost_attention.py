@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.engine import CacheStream
-from epikv_cli.fidelity import Config, BudgetSpec
-from epikv_cli.models import load
-from epikv_cli.problems import load_problems, protocol_ids
-from epikv_cli.settings import ModelSettings
+from epikv_cli.runtime.stream import CacheStream
+from epikv_cli.cli.fidelity import Config, BudgetSpec
+from epikv_cli.models.loading import load
+from epikv_cli.data.problems import load_problems, protocol_ids
+from epikv_cli.config import ModelSettings
 
 
 def held_by_head(cache, layers: int, kv_heads: int) -> list[list[set[int]]]:

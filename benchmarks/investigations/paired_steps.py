@@ -16,11 +16,11 @@ import argparse
 import statistics
 import time
 
-from epikv_cli.engine import Generation
+from epikv_cli.runtime.generation import Generation
 from epikv_cli.errors import UsageError
-from epikv_cli.models import load
-from epikv_cli.profile import ProfileSettings, prompt_ids
-from epikv_cli.settings import ModelSettings, SamplingSettings
+from epikv_cli.models.loading import load
+from epikv_cli.cli.profile import ProfileSettings, prompt_ids
+from epikv_cli.config import ModelSettings, SamplingSettings
 
 
 def main() -> None:

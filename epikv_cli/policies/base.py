@@ -8,14 +8,22 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..errors import UsageError
-from ..settings import default_recent
+from epikv_cli.core.hostread import host_copies
+from epikv_cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from ..attention import AttentionNeeds, AttentionRecord
-    from ..cache import BudgetCache
-    from ..keepsets import HeadVictims
-    from ..settings import CacheSettings
+    from epikv_cli.config import CacheSettings
+    from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
+    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.keepsets import HeadVictims
+
+#: The recent window's cap in METHOD.md: R = min(128, K // 4).
+RECENT_CAP = 128
+
+
+def default_recent(budget: int) -> int:
+    """The recent window R = min(128, K // 4) of METHOD.md."""
+    return min(RECENT_CAP, budget // 4)
 
 
 @dataclass
@@ -130,7 +138,6 @@ class Policy(ABC):
 
         A staged policy does it in its two halves at once (one host read of its own)."""
         if self.staged:
-            from ..hostread import host_copies
 
             self.settle(signals, host_copies(self.stage(signals)))
 

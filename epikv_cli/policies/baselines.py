@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..settings import CacheSettings
-from .base import Policy, evictable_mask
+from epikv_cli.config import CacheSettings
+from epikv_cli.policies.base import Policy, evictable_mask
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 
 class FullCache(Policy):

@@ -16,11 +16,14 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import UsageError
-from ..settings import ZSCORE_EPS, ZSCORE_WINDOW, CacheSettings
-from .base import Signals
-from .keep_scored import ScoredPolicy
+from epikv_cli.config import CacheSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Signals
+from epikv_cli.policies.keep_scored import ScoredPolicy
 
+#: Paper defaults (METHOD.md): z-score window and its epsilon.
+ZSCORE_WINDOW = 64
+ZSCORE_EPS = 1e-6
 #: Paper bands on a 32-layer model: (10, +1) and (21, -1); other depths use the same fractions.
 DEFAULT_BAND_FRACTIONS = ((10 / 31, 1.0), (21 / 31, -1.0))
 

@@ -46,17 +46,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import AttentionNeeds
-from ..errors import UsageError
-from ..keepsets import HeadVictims, Shortlist, gone_positions
-from ..scratch import Scratch
-from ..settings import MAX_TOKENS, CacheSettings
-from .base import Policy, Signals
-from .epikv import EpiKV
-from .keep_scored import CandidateHeap, ScoreBook
+from epikv_cli.config import MAX_TOKENS, CacheSettings
+from epikv_cli.core.attention import AttentionNeeds
+from epikv_cli.core.keepsets import HeadVictims, Shortlist, gone_positions
+from epikv_cli.core.scratch import Scratch
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy, Signals
+from epikv_cli.policies.epikv import EpiKV
+from epikv_cli.policies.keep_scored import CandidateHeap, ScoreBook
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 
 def received_attention(

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Policy
+from epikv_cli.policies.base import Policy
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 
 class ScoreBook:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..settings import CacheSettings
-from .base import Signals
-from .keep_scored import ScoredPolicy
+from epikv_cli.config import CacheSettings
+from epikv_cli.policies.base import Signals
+from epikv_cli.policies.keep_scored import ScoredPolicy
 
 
 class KeyNorm(ScoredPolicy):

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..errors import UsageError
-from ..settings import CacheSettings
-from .base import Policy, Signals, evictable_mask, lowest
-from .keep_scored import ScoredPolicy
+from epikv_cli.config import CacheSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy, Signals, evictable_mask, lowest
+from epikv_cli.policies.keep_scored import ScoredPolicy
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 LAG_CHUNK = 128
 LAG_EPS = 1e-9

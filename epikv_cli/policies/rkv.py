@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionNeeds
-from ..settings import CacheSettings
-from .base import Policy
+from epikv_cli.config import CacheSettings
+from epikv_cli.core.attention import AttentionNeeds
+from epikv_cli.policies.base import Policy
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 WINDOW = 8
 BUFFER = 128

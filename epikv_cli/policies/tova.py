@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention import AttentionNeeds, AttentionRecord
-from ..settings import CacheSettings
-from .base import Policy, Signals, lowest
+from epikv_cli.config import CacheSettings
+from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
+from epikv_cli.policies.base import Policy, Signals, lowest
 
 if TYPE_CHECKING:
-    from ..cache import BudgetCache
+    from epikv_cli.core.cache import BudgetCache
 
 
 class TOVA(Policy):

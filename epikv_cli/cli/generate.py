@@ -1,0 +1,155 @@
+"""``epikv generate`` for one prompt: load, build the prompt, stream tokens (plain, panel or JSON), summarise."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+
+from rich.console import Console
+
+from epikv_cli.cli.ui import DEFAULT_SPIKE_Z, LivePanel, PanelState, PanelView
+from epikv_cli.config import (
+    CacheSettings,
+    ModelSettings,
+    PromptSettings,
+    SamplingSettings,
+)
+from epikv_cli.core.memory import peak_memory
+from epikv_cli.data.prompts import (
+    build_input_ids,
+    decode_text,
+    has_chat_template,
+    require_text,
+)
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError
+from epikv_cli.models.loading import load
+from epikv_cli.runtime.generation import Generation, GenerationResult
+from epikv_cli.runtime.stream import input_device
+
+NO_TEMPLATE_NOTE = "this model's tokenizer has no chat template; the prompt is used as plain text"
+
+
+def summary_line(result: GenerationResult) -> str:
+    """One human line with the run's statistics (for stderr)."""
+    speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else "n/a tok/s"
+    budget = f" (budget {result.budget})" if result.budget is not None else ""
+    return (
+        f"{result.generated_tokens} tokens, {speed} decode, evicted {result.evicted}, "
+        f"peak stored {result.peak_stored}{budget}, stop: {result.stop_reason}, "
+        f"peak memory {result.peak_memory_bytes / 2**20:.0f} MiB ({result.peak_memory_kind})"
+    )
+
+
+def interruption_line(generated: int, text_shown: bool) -> str:
+    """What Ctrl-C prints on stderr, saying truthfully what was kept."""
+    if generated == 0:
+        return "epikv: interrupted before the first token; nothing was generated"
+    kept = "; the text above is everything generated" if text_shown else ""
+    return f"epikv: interrupted after {generated} tokens{kept}"
+
+
+def report_nothing_generated(json_output: bool, policy: str, budget: int | None) -> int:
+    """Ctrl-C before the first token: the zero-token JSON object (with ``--json``) and one line; exit 130."""
+    if json_output:
+        print(json.dumps(GenerationResult.nothing(policy, budget).to_dict(), ensure_ascii=False), flush=True)
+    print(interruption_line(0, False), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def read_prompt(prompt: str | None, warn) -> str:
+    """The prompt argument, or stdin for ``-``; undecodable bytes become U+FFFD with one warning."""
+    if prompt is None:
+        return require_text(None)
+    if prompt == "-":
+        stream = sys.stdin
+        prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+        if not prompt.strip():
+            raise UsageError("stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an argument")
+    text, replaced = decode_text(prompt)
+    if replaced:
+        warn("the prompt is not valid UTF-8; the bytes that could not be read became U+FFFD")
+    return require_text(text)
+
+
+def run_generate(
+    model_settings: ModelSettings,
+    prompt_settings: PromptSettings,
+    cache: CacheSettings,
+    sampling: SamplingSettings,
+    prompt: str | None,
+    json_output: bool = False,
+    quiet: bool = False,
+    panel: bool | None = None,
+    spike_threshold: float = DEFAULT_SPIKE_Z,
+) -> int:
+    """Run one generation for the CLI; return the exit status. Bad input raises UsageError.
+
+    ``prompt`` is the text, or ``-`` for stdin. The panel shows by default when stdout is a terminal.
+    When stdout is not a terminal it only ever gets the plain text (or the JSON); a forced panel then
+    draws on stderr. Ctrl-C at any point exits 130: with ``--json`` the object still prints (zero
+    tokens if generation had not started), and no text already printed is lost.
+    """
+    out = sys.stdout
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    stdout_tty = out.isatty()
+    use_panel = not json_output and (panel if panel is not None else stdout_tty)
+    panel_console = (Console(highlight=False) if stdout_tty else err) if use_panel else None
+    stream_text = not json_output and not (use_panel and stdout_tty)
+    log = (lambda message: None) if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
+
+    def note(message: str) -> None:
+        if not quiet:
+            print(f"epikv: {message}", file=sys.stderr, flush=True)
+
+    generation = view = None
+    interrupted = False
+    try:
+        prompt = read_prompt(prompt, note)  # before loading the model: fail fast
+        status = err.status("loading model…") if err.is_terminal and not quiet else nullcontext()
+        with status:
+            loaded = load(model_settings, log)
+        if prompt_settings.chat_template and not has_chat_template(loaded.tokenizer):
+            note(NO_TEMPLATE_NOTE)
+        input_ids = build_input_ids(loaded.tokenizer, prompt, prompt_settings)
+        generation = Generation(loaded.model, loaded.tokenizer, input_ids, cache, sampling)
+
+        live = None
+        if use_panel:
+            state = PanelState(
+                budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
+                spike_threshold=spike_threshold, per_head=generation.policy_per_head,
+            )
+            view = PanelView(state, loaded.tokenizer)
+            device = input_device(loaded.model)
+            live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
+
+        with live or nullcontext():
+            for event in generation:
+                if stream_text and event.text:
+                    out.write(event.text)
+                    out.flush()
+                if live is not None:
+                    view.state.bands = generation.bands_description
+                    live.update(event)
+    except KeyboardInterrupt:
+        interrupted = True
+    result = generation.result if generation is not None else None
+    if result is None:  # interrupted before generation began: nothing to show but the truth
+        return report_nothing_generated(json_output, cache.policy, cache.budget)
+    if stream_text:
+        out.write(generation.tail_text + "\n")
+    elif use_panel:  # the live panel was transient: print the whole text now
+        out.write(result.text + "\n")
+    out.flush()
+    if use_panel:
+        view.state.memory_bytes = result.peak_memory_bytes
+        panel_console.print(view.render(with_text=False))
+    if json_output:
+        print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+    elif not quiet:
+        err.print(f"[dim]{summary_line(result)}[/dim]")
+    if interrupted:
+        print(interruption_line(result.generated_tokens, not json_output), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0

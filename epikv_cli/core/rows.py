@@ -1,0 +1,456 @@
+"""Many sequences decoded side by side, each with its own slots, positions, budget and keep-set.
+
+A :class:`RowsCache` holds B rows. Every layer keeps ``[B, kv_heads, capacity, head_dim]`` buffers in
+which each row's live entries are compact (slots ``0 .. stored_b - 1``, shorter rows padded); an
+attention mask hides the padding. Between steps a row may hold one free slot among them, left by the
+single entry it evicted (per KV head, for a granular keep-set), which its next token fills: in the
+steady state no entry moves. Rows join already prefilled (a single-sequence session hands over
+its cache, policy state and queries) and leave when their sequence ends, so the batch can be kept
+full from a queue; or a whole left-padded batch is prefilled at once (``model.generate`` with a
+batch), after which each row's entries are moved to the front of its slots and the padding dropped. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry
+leaves once a row holds ``window - 1``.
+
+Each step every row takes one token; the policies see each row through a :class:`RowView`, which
+looks to them exactly like a single-sequence :class:`~epikv_cli.cache.BudgetCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from epikv_cli.config import CacheSettings
+from epikv_cli.core.cache import BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.core.keepsets import HeadSlots, HeadVictims
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy
+
+FULL, SLIDING = "full", "sliding"
+#: Slots allocated beyond a batched prefill's length (then doubling as rows grow).
+PREFILL_HEADROOM = 64
+
+
+@dataclass
+class Row:
+    """One sequence of the batch: its slot tables per layer group, its policy and its counters."""
+
+    settings: CacheSettings
+    policy: Policy
+    budget: int | None
+    tables: dict[str, SlotTable]
+    queries_needed: int = 0
+    evicted_total: int = 0
+    peak_stored: int = 0
+    last_evicted: list[int] = field(default_factory=list)
+    heads: HeadSlots | None = None  # a granular policy's per (layer, KV head) positions
+
+    @property
+    def full(self) -> SlotTable:
+        return self.tables[FULL]
+
+
+class RowsLayer(CacheLayerMixin):
+    """One decoder layer for every row: writes each row's new entry at its own next slot."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, group: str, owner: RowsCache) -> None:
+        super().__init__()
+        self.group = group
+        self.owner = owner
+        self.is_sliding = group == SLIDING
+        self.keys = self.values = None
+        self.head_order: int | None = None  # a full layer's index among the full layers (its row of HeadSlots)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
+        raise RuntimeError("rows join a RowsCache through RowsCache.adopt")
+
+    @torch.compiler.disable  # the rows' slots are Python bookkeeping: outside any compiled graph
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[B, kv_heads, 1, head_dim]`` at each row's next slot; return ``[B, kv_heads, L, head_dim]``.
+
+        During a batched prefill (:meth:`RowsCache.begin_prefill`) the whole padded ``[B, kv_heads, n,
+        head_dim]`` prompt is written to slots ``0 .. n - 1`` instead, as a plain cache would.
+        """
+        if self.owner.prefilling:
+            count = key_states.shape[-2]
+            shape = (*key_states.shape[:2], count + PREFILL_HEADROOM, key_states.shape[-1])
+            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+            self.keys[:, :, :count], self.values[:, :, :count] = key_states, value_states
+            self.is_initialized = True
+            self.owner.prefill_length = count
+            return self.keys[:, :, :count], self.values[:, :, :count]
+        if key_states.shape[-2] != 1:
+            raise UsageError("batched decoding feeds one token per row and step; prompts join through adopt()")
+        length = self.owner.step_lengths[self.group]
+        flat = self.owner.write_rows(self)
+        dim = key_states.shape[-1]
+        # one indexed write per buffer: row b's KV head h goes to row (b * kv_heads + h) * capacity + slot
+        self.keys.view(-1, dim).index_put_((flat,), key_states[:, :, 0].reshape(-1, dim))
+        self.values.view(-1, self.values.shape[-1]).index_put_((flat,), value_states[:, :, 0].reshape(-1, value_states.shape[-1]))
+        return self.keys[:, :, :length], self.values[:, :, :length]
+
+    def get_seq_length(self) -> int:
+        return max((row.full.seen for row in self.owner.rows), default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # masks are always given explicitly
+        return self.owner.step_lengths.get(self.group, query_length), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RowsCache(Cache):
+    """The batch's cache. Build it empty, then :meth:`adopt` prefilled sequences."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        groups = []
+        for index, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                groups.append(FULL)
+            elif kind in ("sliding_attention", "chunked_attention"):
+                groups.append(SLIDING)
+            else:
+                raise UsageError(f"layer {index} is a {kind!r} layer; batched decoding supports full and sliding attention only")
+        self.groups = groups
+        self.window = next((kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None)
+        super().__init__(layers=[RowsLayer(group, self) for group in groups])
+        self.full_layer_indices = [i for i, group in enumerate(groups) if group == FULL]
+        for order, index in enumerate(self.full_layer_indices):
+            self.layers[index].head_order = order
+        self.rows: list[Row] = []
+        #: per group, ``[B * kv_heads]``: where each row's KV heads write this step's token, as rows of the
+        #: group's ``[B * kv_heads * capacity, head_dim]`` flattened buffers (every layer of a group has the
+        #: same capacity), and that capacity
+        self.step_rows: dict[str, torch.Tensor] = {}
+        self.step_capacity: dict[str, int] = {}
+        #: ``[full layers, B * kv_heads]``: the same for each full layer, when some granular row's KV heads each
+        #: write into their own vacant slot (None: every full layer writes at ``step_rows[FULL]``)
+        self.step_head_rows: torch.Tensor | None = None
+        self.step_lengths: dict[str, int] = {}
+        self.prefilling = False
+        self.prefill_length = 0  # the padded prompt length of the batched prefill
+
+    # -- rows joining and leaving ---------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
+        """Room for one more row holding ``length`` entries (capacity doubles when short)."""
+        heads, dim = template.shape[1], template.shape[-1]
+        if layer.keys is None:
+            shape = (0, heads, max(length, 16), dim)
+            layer.keys, layer.values = template.new_zeros(shape), template.new_zeros(shape)
+        capacity = layer.keys.shape[2]
+        if length > capacity:
+            grown = max(length, 2 * capacity)
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, grown - capacity))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, grown - capacity))
+        pad = torch.zeros((1, heads, layer.keys.shape[2], dim), dtype=layer.keys.dtype, device=layer.keys.device)
+        layer.keys = torch.cat([layer.keys, pad])
+        layer.values = torch.cat([layer.values, pad.clone()])
+        layer.is_initialized = True
+
+    def adopt(self, source: BudgetCache, settings: CacheSettings, policy: Policy, queries_needed: int = 0) -> int:
+        """Add a row from a prefilled single-sequence cache (its entries, positions and policy); return its index."""
+        source.close_vacant_heads()  # rows move entries at once: no slot may wait for a next token
+        tables: dict[str, SlotTable] = {}
+        for index, (group, layer) in enumerate(zip(self.groups, self.layers)):
+            origin = source.layers[index]
+            if isinstance(origin, BudgetLayer):
+                keys, values = origin.live()
+            else:  # transformers' sliding-window layer: the last window - 1 entries
+                keys, values = origin.keys, origin.values
+            self._ensure(layer, keys, keys.shape[2] + 1)
+            layer.keys[-1, :, : keys.shape[2]] = keys[0]
+            layer.values[-1, :, : values.shape[2]] = values[0]
+            if group not in tables:
+                tables[group] = _table_for(source, group, keys.shape[2])
+        budget = source.budget
+        row = Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored, heads=source.head_slots)
+        self.rows.append(row)
+        return len(self.rows) - 1
+
+    def begin_prefill(self) -> None:
+        """The next forward is a whole left-padded batch of prompts, written as it comes (an empty cache only)."""
+        if self.rows:
+            raise UsageError("a batch of prompts can only be prefilled into an empty cache; start a new one for the next batch")
+        self.prefilling = True
+        self.step_lengths.clear()
+
+    def finish_prefill(self, pads: list[int], settings: list[CacheSettings], policies: list[Policy], queries_needed: list[int]) -> None:
+        """Turn the prefilled batch into rows: row ``b``'s real tokens (after its ``pads[b]`` padding) move to
+        the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table and policy."""
+        self.prefilling = False
+        length = self.prefill_length
+        keep = {FULL: [length - pad for pad in pads]}
+        if SLIDING in self.groups:
+            keep[SLIDING] = [min(length - pad, self.window - 1) for pad in pads]
+        for layer in self.layers:
+            for row, count in enumerate(keep[layer.group]):
+                if count < length:  # shift the row's last `count` entries to slots 0 .. count - 1
+                    layer.keys[row, :, :count] = layer.keys[row, :, length - count : length].clone()
+                    layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
+        full = self.layers[self.full_layer_indices[0]].keys if self.full_layer_indices else None
+        for row, (setting, policy) in enumerate(zip(settings, policies)):
+            prompt = length - pads[row]
+            tables = {group: tail_table(prompt, counts[row], prompt) for group, counts in keep.items()}
+            budget = setting.budget if policy.evicts else None
+            heads = None
+            if policy.granular:
+                heads = HeadSlots(len(self.full_layer_indices), full.shape[1], full.device)
+                heads.append(0, prompt, 0)
+            self.rows.append(Row(setting, policy, budget, tables, queries_needed[row], heads=heads))
+
+    def row(self, index: int) -> RowView:
+        """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ``policy``, ...)."""
+        return RowView(self, index)
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch: every row, its slots and policy, and the step's write plan."""
+        self.rows = []
+        for layer in self.layers:
+            layer.keys = layer.values = None
+        self.step_rows, self.step_capacity, self.step_lengths = {}, {}, {}
+        self.step_head_rows = None
+        self.prefilling = False
+        self.prefill_length = 0
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drop every row not in ``keep`` (finished sequences), in that order."""
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self.layers:
+            if layer.keys is not None:
+                where = index.to(layer.keys.device)
+                layer.keys, layer.values = layer.keys[where], layer.values[where]
+        self.rows = [self.rows[i] for i in keep]
+
+    # -- one decoding step ------------------------------------------------------------------------
+    def begin_step(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Reserve each row's next slot (its free slot, else the one after its used slots); return
+        ``position_ids [B, 1]`` and a ``[B, 1, 1, L]`` additive mask per group."""
+        masks = {}
+        for group in set(self.groups):
+            tables = [row.tables[group] for row in self.rows]
+            slots = torch.tensor([table.used if table.free is None else table.free for table in tables])
+            used_after = torch.tensor([table.stored + 1 for table in tables])  # every used slot live after the write
+            length = int(used_after.max())
+            for layer in self.layers:
+                if layer.group == group and length > layer.keys.shape[2]:
+                    grown = max(length, 2 * layer.keys.shape[2])
+                    extra = grown - layer.keys.shape[2]
+                    layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
+                    layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
+            self.step_lengths[group] = length
+            self._plan_writes(group, to_device(slots, device))
+            visible = torch.arange(length)[None, :] < used_after[:, None]
+            mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
+            masks[group] = to_device(mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min), device)
+        positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
+        return to_device(torch.tensor(positions).unsqueeze(1), device), masks
+
+    def _plan_writes(self, group: str, slots: torch.Tensor) -> None:
+        """Where each row writes this step's token in every layer of ``group``: row ``b``'s slot ``slots[b]``
+        ``[B]`` for every KV head, except that a granular row's heads with vacant slots (left by last step's
+        victims) write there, each its own."""
+        template = next(layer.keys for layer in self.layers if layer.group == group)
+        batch, heads, capacity = template.shape[:3]
+        first_rows = torch.arange(batch * heads, device=template.device).view(batch, heads) * capacity
+        grid = slots.to(template.device)[:, None].expand(batch, heads)
+        self.step_rows[group] = (grid + first_rows).view(-1)
+        self.step_capacity[group] = capacity
+        if group != FULL:
+            return
+        self.step_head_rows = None
+        vacant = [(index, row.heads.vacant) for index, row in enumerate(self.rows) if row.heads is not None and row.heads.vacant is not None]
+        if vacant:
+            per_head = grid[None].expand(len(self.full_layer_indices), batch, heads).clone()
+            for index, vacancies in vacant:
+                per_head[:, index] = vacancies
+            self.step_head_rows = (per_head + first_rows).view(len(self.full_layer_indices), batch * heads)
+
+    def write_rows(self, layer: RowsLayer) -> torch.Tensor:
+        """``[B * kv_heads]``: the flattened-buffer rows ``layer`` writes this step's tokens to."""
+        if layer.keys.shape[2] != self.step_capacity[layer.group]:
+            raise RuntimeError(f"the {layer.group} layers of a RowsCache must share one capacity")
+        if layer.head_order is not None and self.step_head_rows is not None:
+            return self.step_head_rows[layer.head_order].to(layer.keys.device)
+        return self.step_rows[layer.group].to(layer.keys.device)
+
+    def end_step(self) -> None:
+        """Record the entries the step appended (one per row and group, where :meth:`begin_step` put them)."""
+        for row in self.rows:
+            if row.heads is not None:
+                table = row.full
+                row.heads.append(table.used if table.free is None else table.free, 1, table.seen)
+            for table in row.tables.values():
+                table.append(1)
+            row.full.committed = row.full.seen
+
+    def evict(self, plans: dict[str, list[tuple[int, list[int]]]]) -> None:
+        """Drop, per group, ``(row, slots)`` pairs: a single slot is left free for the row's next token,
+        several are filled by the row's newest entries (and its policy's slot-indexed state follows)."""
+        with torch.inference_mode():  # the buffers were written under the forward's inference mode
+            for group, pairs in plans.items():
+                rows, holes, movers = [], [], []
+                granular = [(row_index, slots) for row_index, slots in pairs if isinstance(slots, HeadVictims)]
+                if granular:
+                    self._evict_heads(granular)
+                for row_index, slots in pairs:
+                    if isinstance(slots, HeadVictims):
+                        continue
+                    hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
+                    if hole and group == FULL:
+                        self.rows[row_index].policy.follow_moves(hole, mover)
+                    rows += [row_index] * len(hole)
+                    holes += hole
+                    movers += mover
+                if holes:
+                    self._move(group, rows, holes, movers)
+
+    def _evict_heads(self, granular: list[tuple[int, HeadVictims]]) -> None:
+        """Each granular row drops its own victims in every (layer, KV head). One victim per (layer, head), the
+        steady state, leaves its slot vacant for the row's next token (nothing moves, as in a single
+        sequence's cache); several (a prompt over the budget) are closed by gathering each head's kept
+        entries to the front."""
+        for index, victims in granular:
+            row = self.rows[index]
+            stored, count = row.full.stored, len(victims)
+            if count == 1:
+                row.heads.vacate(victims.slots[..., 0])
+            else:
+                moves = row.heads.plan(victims.slots, stored)
+                for j, layer_index in enumerate(self.full_layer_indices):
+                    layer = self.layers[layer_index]
+                    moves.apply(layer.keys[index], j)
+                    moves.apply(layer.values[index], j)
+            row.full.plan_eviction(list(range(stored - count, stored)))  # the counts; one leaves the last slot free
+
+    def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
+        """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""
+        for layer in self.layers:
+            if layer.group != group:
+                continue
+            r = torch.tensor(rows, device=layer.keys.device)
+            h, m = torch.tensor(holes, device=layer.keys.device), torch.tensor(movers, device=layer.keys.device)
+            layer.keys[r, :, h] = layer.keys[r, :, m]
+            layer.values[r, :, h] = layer.values[r, :, m]
+
+    def nbytes(self) -> int:
+        """Bytes the key and value buffers hold: every row's slots, padding and room to grow included."""
+        return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                   for layer in self.layers if layer.keys is not None)
+
+    def kv_bytes(self, row: int) -> int:
+        """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
+        total = 0
+        for group, layer in zip(self.groups, self.layers):
+            per_entry = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            total += per_entry * self.rows[row].tables[group].stored
+        return total
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (built on the host) on ``device``; to a GPU from pinned memory, asynchronously, so that
+    the step's small host-to-device copies never wait for the work queued before them."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _table_for(source: BudgetCache, group: str, count: int) -> SlotTable:
+    """The slot table of a joining row: a copy of the budget table (``count`` used slots, the free one
+    included), or the last ``count`` positions (sliding)."""
+    if group == FULL and source.budget_layer_indices:
+        table = SlotTable(max(count, 1))
+        origin = source.table
+        table.positions[:count] = origin.positions[:count]
+        table.stored, table.free = origin.stored, origin.free
+        table.seen, table.committed, table.prompt_len = origin.seen, origin.committed, origin.prompt_len
+        table.slot_of = dict(origin.slot_of)
+        return table
+    return tail_table(source.seen, count, source.prompt_len)
+
+
+def tail_table(seen: int, count: int, prompt_len: int) -> SlotTable:
+    """A slot table holding the last ``count`` of ``seen`` tokens in slots ``0 .. count - 1``, in order."""
+    table = SlotTable(max(count, 1))
+    table.positions[:count] = torch.arange(seen - count, seen)
+    table.stored, table.seen, table.committed, table.prompt_len = count, seen, seen, prompt_len
+    table.slot_of = {seen - count + i: i for i in range(count)}
+    return table
+
+
+class RowView:
+    """One row of a :class:`RowsCache` with the interface policies use on a :class:`BudgetCache`."""
+
+    def __init__(self, cache: RowsCache, index: int) -> None:
+        self.cache = cache
+        self.index = index
+        self.row = cache.rows[index]
+
+    def live_positions(self) -> torch.Tensor:
+        return self.row.full.live_positions()
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        return [self.row.full.slot_of[p] for p in positions]
+
+    @property
+    def stored(self) -> int:
+        return self.row.full.stored
+
+    @property
+    def seen(self) -> int:
+        return self.row.full.seen
+
+    @property
+    def prompt_len(self) -> int:
+        return self.row.full.prompt_len or 0
+
+    @property
+    def budget(self) -> int | None:
+        return self.row.budget
+
+    @property
+    def evicted_total(self) -> int:
+        return self.row.evicted_total
+
+    @property
+    def peak_stored(self) -> int:
+        return self.row.peak_stored
+
+    @property
+    def policy(self) -> Policy:
+        return self.row.policy
+
+    @property
+    def budget_layer_indices(self) -> list[int]:
+        return self.cache.full_layer_indices
+
+    @property
+    def head_slots(self) -> HeadSlots | None:
+        return self.row.heads
+
+    @property
+    def budget_layers(self) -> list[_LayerRow]:
+        return [_LayerRow(self.cache.layers[i], self.index, self.row.full.used) for i in self.cache.full_layer_indices]
+
+
+class _LayerRow:
+    """One layer of one row: ``live()`` gives its ``[1, kv_heads, stored, head_dim]`` keys and values (views)."""
+
+    def __init__(self, layer: RowsLayer, index: int, stored: int) -> None:
+        self.keys = layer.keys
+        self._layer, self._index, self._stored = layer, index, stored
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        i, n = self._index, self._stored
+        return self._layer.keys[i : i + 1, :, :n], self._layer.values[i : i + 1, :, :n]

@@ -1,0 +1,1 @@
+"""Prompts, datasets and JSONL results files."""

@@ -1,0 +1,62 @@
+"""Where a model's calibrated EpiKV bands are kept: ``<cache dir>/bands/<name>-<hash>.json`` (see :func:`bands_path`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from epikv_cli.models.demo import cache_dir
+
+
+@dataclass
+class Calibration:
+    """Band layers measured for one model, and where they are stored."""
+
+    model: str
+    bands: list[tuple[int, float]]
+    spearman: list[float]  # per layer
+    windows: int
+    prompts: int
+    new_tokens: int
+    path: str = ""
+
+    def describe(self) -> str:
+        return f"calibrated ({self.path})"
+
+
+def bands_path(model_key: str) -> Path:
+    """Where a model's calibrated bands live: ``<cache dir>/bands/<name>-<hash>.json``."""
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model_key).name or model_key)[:60]
+    digest = hashlib.sha256(model_key.encode()).hexdigest()[:12]
+    return cache_dir() / "bands" / f"{readable}-{digest}.json"
+
+
+def load_calibration(model_key: str) -> Calibration | None:
+    """The saved calibration of ``model_key`` (a resolved model path or Hub id), if any."""
+    path = bands_path(model_key)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        data["bands"] = [(int(layer), float(sign)) for layer, sign in data["bands"]]
+        return Calibration(**{**data, "path": str(path)})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_calibration(calibration: Calibration, model_key: str) -> Path:
+    path = bands_path(model_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = asdict(calibration)
+    data.pop("path")
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def model_key(source) -> str:
+    """A stable name for a model: the resolved directory or file, or the Hub id."""
+    if source.kind in ("dir", "gguf", "config"):
+        return str(Path(source.location).resolve())
+    return source.location

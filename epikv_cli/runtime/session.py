@@ -1,0 +1,180 @@
+"""Put the budget cache, its policy and its taps on a loaded model.
+
+After every forward that used the cache, the policy sees the appended tokens (and scores them), then
+the cache is brought back within the budget. The same hooks serve ``epikv generate`` and plain
+``model.generate``::
+
+    with epikv_cli.attach(model, budget=4096) as cache:
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=2048)
+
+With ``batch_size=B`` a left-padded batch of B prompts runs through ``model.generate`` the same way,
+each row with its own keep-set, scores and positions (:class:`BatchSession`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from epikv_cli.config import CacheSettings
+from epikv_cli.core.attention import AttentionTaps
+from epikv_cli.core.cache import BudgetCache
+from epikv_cli.core.hostread import host_copies
+from epikv_cli.core.scratch import ScratchHold
+from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy, Signals
+from epikv_cli.policies.registry import make_policy
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass
+class ForwardRecord:
+    """What happened to the cache in the latest forward."""
+
+    appended: range = range(0)
+    evicted: list[int] = field(default_factory=list)  # logical positions
+
+
+class EpiKVSession:
+    """Owns a :class:`BudgetCache`, the policy that evicts from it and the hooks that feed the policy.
+
+    Use it as a context manager; on exit every hook is removed and the model is as it was.
+    """
+
+    def __init__(self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None) -> None:
+        self.model = model
+        self.settings = settings
+        self.policy: Policy = self._new_policy()
+        budget = settings.budget if self.policy.evicts else None
+        self.cache = BudgetCache(
+            model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",
+            slack=self.policy.slack, granular=self.policy.granular,
+        )
+        self.cache.policy = self.policy
+        self.cache.on_reset = self._reset
+        self.last = ForwardRecord()
+        #: False (``model.generate``): each forward settles at once, reading its own host values. True
+        #: (the engine): the forward leaves :attr:`pending_reads`, and the engine reads them together
+        #: with the sampled token and calls :meth:`settle` before the next forward.
+        self.defer_reads = False
+        self.pending: tuple[Signals, list[torch.Tensor]] | None = None
+        self.taps = HiddenStateTaps(model, self.policy.tap_layers())
+        needs = self.policy.attention_needs
+        self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+        self._scratch = ScratchHold()
+
+    def _new_policy(self) -> Policy:
+        policy = make_policy(self.settings)
+        policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
+        return policy
+
+    def _reset(self) -> None:
+        """The cache was reset for a new sequence: start the policy and the records afresh."""
+        self.policy = self.cache.policy = self._new_policy()
+        self.last = ForwardRecord()
+        self.pending = None
+        self.taps.clear()
+        if self.attention is not None:
+            self.attention.record = type(self.attention.record)()
+
+    # -- hooks ----------------------------------------------------------------------------------
+    # Several sessions may share one model (fidelity replays many caches in lockstep): each acts only
+    # on the forwards that use its own cache, and its taps record only during those.
+    def _uses_cache(self, kwargs: dict) -> bool:
+        return kwargs.get("cache") is self.cache or kwargs.get("past_key_values") is self.cache
+
+    def _set_taps(self, active: bool) -> None:
+        self.taps.active = active
+        if self.attention is not None:
+            self.attention.set_active(active)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self._uses_cache(kwargs):
+            return None
+        self._set_taps(True)
+        if not self.cache.compressed_positions:
+            return None
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        kwargs["position_ids"] = self.cache.position_ids(inputs.shape[1], inputs.device)
+        return args, kwargs
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not self._uses_cache(kwargs):
+            return
+        self._set_taps(False)
+        appended = self.cache.commit()
+        if not len(appended):
+            self.taps.clear()
+            return
+        prompt = appended.start == 0
+        if prompt:
+            self.policy.check_budget(len(appended), self.cache.budget)
+        elif len(appended) > 1:
+            raise UsageError(
+                "EpiKV needs the whole prompt in the first forward and one token per step after it; "
+                "drop prefill_chunk_size, and start a new cache for each conversation turn"
+            )
+        record = self.attention.record if self.attention is not None else None
+        row = record.row(0, self.cache.stored) if record is not None else None
+        signals = Signals(appended, prompt, dict(self.taps.outputs), row, self.cache)
+        if self.policy.staged:
+            self.pending = (signals, self.policy.stage(signals))
+        else:
+            self.policy.observe(signals)
+            self.pending = (signals, [])
+        self.taps.clear()
+        if record is not None:
+            record.clear_forward()
+        if not self.defer_reads:
+            self.settle(host_copies(self.pending[1]))
+
+    @property
+    def pending_reads(self) -> list[torch.Tensor]:
+        """What the latest forward's policy needs on the host (device tensors), before :meth:`settle`."""
+        return self.pending[1] if self.pending is not None else []
+
+    def settle(self, values: list[torch.Tensor]) -> None:
+        """Finish the latest forward: the policy gets its host values, then the cache is brought back
+        within the budget. With :attr:`defer_reads` the engine calls it once it has read ``values``
+        (host copies of :attr:`pending_reads`) together with the sampled token."""
+        if self.pending is None:
+            return
+        signals, _ = self.pending
+        self.pending = None
+        if self.policy.staged:
+            self.policy.settle(signals, values)
+        self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)  # the in-step peak: K + 1
+        over = self.cache.over_budget()
+        evicted = self.cache.evict(self.policy.select(self.cache, over)) if over else []
+        self.last = ForwardRecord(signals.appended, evicted)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.taps.remove()
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
+        self._scratch.release()  # work buffers kept between refreshes go with the last open session
+
+    def __enter__(self) -> EpiKVSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
