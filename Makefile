@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 DEMO_PROMPT ?= Explain step by step why the sum of two odd numbers is always even.
 
-.PHONY: demo test docs venv clean
+.PHONY: demo test lint docs venv clean
 
 venv: $(BIN)/.installed
 
@@ -23,9 +23,15 @@ $(BIN)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/epikv generate --budget 128 --max-new-tokens 300 --ignore-eos "$(DEMO_PROMPT)"
 
-test: venv
+# Lint (ruff, and import-linter's layer contracts in pyproject.toml), then the suite on every core.
+test: lint
 	$(BIN)/python -m epikv_cli.models.demo
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
+
+lint: venv
+	$(BIN)/ruff check epikv_cli tests benchmarks
+	$(BIN)/ruff format --check epikv_cli tests benchmarks
+	$(BIN)/lint-imports
 
 # Regenerate completions/ and man/epikv.1 from the CLI (a test fails when they are stale).
 docs: venv

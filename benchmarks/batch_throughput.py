@@ -6,10 +6,13 @@ every (policy, batch size) pair, ``--rounds`` times; the median wall time of eac
 with its tokens/s and the ratio to the first pair.
 
     .venv/bin/python benchmarks/batch_throughput.py --prompts /tmp/gsm32.jsonl          # B = 1, 2, 4, 8, 16
-    .venv/bin/python benchmarks/batch_throughput.py --prompts /tmp/gsm8.jsonl --batch-sizes 1,8 --policies streaming,epikv --rounds 2
+    .venv/bin/python benchmarks/batch_throughput.py --prompts /tmp/gsm8.jsonl --batch-sizes 1,8 \\
+        --policies streaming,epikv --rounds 2
 
-The prompt file is an epikv batch file; the first 32 GSM8K questions make one with
-``python -c 'import json,sys; [print(json.dumps({"id": str(i), "prompt": json.loads(l)["question"]})) for i, l in zip(range(32), open(sys.argv[1]))]' ../shared/data/gsm8k_test.jsonl > /tmp/gsm32.jsonl``.
+The prompt file is an epikv batch file; the first 32 GSM8K questions make one with::
+
+    python -c 'import json,sys; [print(json.dumps({"id": str(i), "prompt": json.loads(line)["question"]}))
+               for i, line in zip(range(32), open(sys.argv[1]))]' ../shared/data/gsm8k_test.jsonl > /tmp/gsm32.jsonl
 """
 
 from __future__ import annotations
@@ -30,8 +33,21 @@ EPIKV = str(Path(sys.executable).parent / "epikv")
 def run_once(args, policy: str, batch: int, out: Path) -> tuple[float, int]:
     """Wall seconds and generated tokens of one whole-process run."""
     command = [
-        EPIKV, "generate", "--prompts", args.prompts, "-n", str(args.new_tokens), "--ignore-eos", "--budget", str(args.budget),
-        "--batch-size", str(batch), "-o", str(out), "--overwrite", "-q",
+        EPIKV,
+        "generate",
+        "--prompts",
+        args.prompts,
+        "-n",
+        str(args.new_tokens),
+        "--ignore-eos",
+        "--budget",
+        str(args.budget),
+        "--batch-size",
+        str(batch),
+        "-o",
+        str(out),
+        "--overwrite",
+        "-q",
     ]
     name, *options = policy.split(":")  # a spec such as epikv2:keep=head
     command += ["--policy", name] + [part for option in options for part in ("--policy-option", option)]

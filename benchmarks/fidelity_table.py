@@ -25,8 +25,14 @@ from pathlib import Path
 from epikv_cli.data.jsonl import read_results
 
 # per metric of `epikv fidelity`: the column label and the decimals shown
-COLUMNS = {"kl_after_full": ("KL", 4), "kl_all": ("KL all", 4), "top1_after_full": ("top-1", 3),
-           "top1_all": ("top-1 all", 3), "perplexity": ("ppl", 3), "kept_age": ("age", 0)}
+COLUMNS = {
+    "kl_after_full": ("KL", 4),
+    "kl_all": ("KL all", 4),
+    "top1_after_full": ("top-1", 3),
+    "top1_all": ("top-1 all", 3),
+    "perplexity": ("ppl", 3),
+    "kept_age": ("age", 0),
+}
 
 
 def load(paths: list[Path]) -> list[dict]:
@@ -79,16 +85,24 @@ def common_prompts(records: list[dict], policies: list[str], budget: str) -> lis
     return common
 
 
-def wins(records: list[dict], policies: list[str], budgets: list[str], against: str, metric: str = "kl_after_full") -> str:
+def wins(
+    records: list[dict], policies: list[str], budgets: list[str], against: str, metric: str = "kl_after_full"
+) -> str:
     """A markdown table: per policy and budget, on how many prompts it is strictly below ``against`` on
     ``metric`` (lower is better), out of the prompts both ran; ties count for neither."""
-    lines = ["| policy | " + " | ".join(f"below `{against}` {b}" for b in budgets) + " |", "|---" + "|---:" * len(budgets) + "|"]
+    lines = [
+        "| policy | " + " | ".join(f"below `{against}` {b}" for b in budgets) + " |",
+        "|---" + "|---:" * len(budgets) + "|",
+    ]
     for policy in policies:
         if policy == against:
             continue
         row = [f"`{policy}`"]
         for budget in budgets:
-            pairs = [(c[policy].get(metric), c[against].get(metric)) for c in common_prompts(records, [policy, against], budget)]
+            pairs = [
+                (c[policy].get(metric), c[against].get(metric))
+                for c in common_prompts(records, [policy, against], budget)
+            ]
             pairs = [(mine, theirs) for mine, theirs in pairs if mine is not None and theirs is not None]
             row.append(f"{sum(mine < theirs for mine, theirs in pairs)} / {len(pairs)}")
         lines.append("| " + " | ".join(row) + " |")
@@ -101,8 +115,11 @@ def repetition(records: list[dict]) -> str | None:
     shares = [r["reference_repeats"] for r in records if r.get("reference_repeats") is not None]
     if not shares:
         return None
-    return (f"Reference tokens closing an 8-gram seen earlier (copy loops near 1): mean {statistics.fmean(shares):.3f}, "
-            f"median {statistics.median(shares):.3f}, from {min(shares):.3f} to {max(shares):.3f} over {len(shares)} prompts.")
+    return (
+        f"Reference tokens closing an 8-gram seen earlier (copy loops near 1): mean {statistics.fmean(shares):.3f}, "
+        f"median {statistics.median(shares):.3f}, from {min(shares):.3f} to {max(shares):.3f} over {len(shares)} "
+        "prompts."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--policies", help="comma-separated, in table order (default: as in the first record)")
     parser.add_argument("--metrics", default="kl_after_full,top1_after_full")
-    parser.add_argument("--wins", metavar="POLICY", help="instead: per budget, on how many prompts each policy's KL is below POLICY's")
+    parser.add_argument(
+        "--wins", metavar="POLICY", help="instead: per budget, on how many prompts each policy's KL is below POLICY's"
+    )
     args = parser.parse_args(argv)
     records = load(args.files)
     if not records:
@@ -120,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",") if args.policies else list(dict.fromkeys(r["policy"] for r in first))
     budgets = list(dict.fromkeys(r["budget"] for r in first))
     if args.wins and args.wins not in policies:
-        print(f"fidelity_table: --wins {args.wins}: no such policy in the files; give one of {', '.join(policies)}", file=sys.stderr)
+        print(
+            f"fidelity_table: --wins {args.wins}: no such policy in the files; give one of {', '.join(policies)}",
+            file=sys.stderr,
+        )
         return 2
     if args.wins:
         print(wins(records, policies, budgets, args.wins))

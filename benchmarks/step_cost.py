@@ -27,17 +27,20 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from epikv_cli.core.cache import BudgetCache
-from epikv_cli.policies.registry import make_policy, parse_policy_spec
-from epikv_cli.policies.base import Signals
 from epikv_cli.config import CacheSettings
+from epikv_cli.core.cache import BudgetCache
 from epikv_cli.models.shapes import shape_config
+from epikv_cli.policies.base import Signals
+from epikv_cli.policies.registry import make_policy, parse_policy_spec
 
 
 def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
     """A cache of ``budget`` live entries per layer under ``policy_name``, ready for steady-state steps."""
     text = config.get_text_config(decoder=True)
-    heads, dim = text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads, dim = (
+        text.num_key_value_heads,
+        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+    )
     name, options = parse_policy_spec(policy_name)
     policy = make_policy(CacheSettings(budget=budget, policy=name, seed=seed, options=options))
     if policy.attention_needs is not None:
@@ -112,16 +115,36 @@ def main() -> None:
         for budget in budgets:
             ms = statistics.median(times[(name, budget)]) * 1e3
             mean_ms = statistics.median(means[(name, budget)]) * 1e3
-            rows.append({"policy": name, "budget": budget, "step_ms": round(ms, 3), "ratio_to_first_budget": round(ms / (base * 1e3), 2),
-                         "mean_step_ms": round(mean_ms, 3), "mean_ratio_to_first_budget": round(mean_ms / (base_mean * 1e3), 2)})
+            rows.append(
+                {
+                    "policy": name,
+                    "budget": budget,
+                    "step_ms": round(ms, 3),
+                    "ratio_to_first_budget": round(ms / (base * 1e3), 2),
+                    "mean_step_ms": round(mean_ms, 3),
+                    "mean_ratio_to_first_budget": round(mean_ms / (base_mean * 1e3), 2),
+                }
+            )
     if args.json:
-        print(json.dumps({"shape": args.shape, "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds, "results": rows}))
+        print(
+            json.dumps(
+                {"shape": args.shape, "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds, "results": rows}
+            )
+        )
         return
-    print(f"{args.shape} KV layout, {args.dtype}, {args.threads} thread(s), median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'policy':10s} {'K':>7s} {'median ms':>10s} {'vs K=' + str(budgets[0]):>10s} {'mean ms':>9s} {'vs K=' + str(budgets[0]):>10s}")
+    print(
+        f"{args.shape} KV layout, {args.dtype}, {args.threads} thread(s), median of {args.rounds} rounds x "
+        f"{args.steps} steps"
+    )
+    print(
+        f"{'policy':10s} {'K':>7s} {'median ms':>10s} {'vs K=' + str(budgets[0]):>10s} {'mean ms':>9s} "
+        f"{'vs K=' + str(budgets[0]):>10s}"
+    )
     for row in rows:
-        print(f"{row['policy']:10s} {row['budget']:7d} {row['step_ms']:10.3f} {row['ratio_to_first_budget']:10.2f}"
-              f" {row['mean_step_ms']:9.3f} {row['mean_ratio_to_first_budget']:10.2f}")
+        print(
+            f"{row['policy']:10s} {row['budget']:7d} {row['step_ms']:10.3f} {row['ratio_to_first_budget']:10.2f}"
+            f" {row['mean_step_ms']:9.3f} {row['mean_ratio_to_first_budget']:10.2f}"
+        )
 
 
 if __name__ == "__main__":

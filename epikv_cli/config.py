@@ -83,12 +83,19 @@ def whole_number(option: str, value) -> int:
 
 def checked_bands(bands) -> tuple[tuple[int, float], ...]:
     """``bands`` as ``((layer, sign), ...)`` with whole layers from 0 and signs +1 or -1, or :class:`UsageError`."""
-    refused = UsageError(f"--bands must be (layer, sign) pairs with sign +1 or -1, e.g. ((10, 1), (21, -1)); got {bands!r}")
+    refused = UsageError(
+        f"--bands must be (layer, sign) pairs with sign +1 or -1, e.g. ((10, 1), (21, -1)); got {bands!r}"
+    )
     if isinstance(bands, (str, bytes)) or not isinstance(bands, (tuple, list)):
         raise refused
     checked = []
     for band in bands:
-        if isinstance(band, (str, bytes)) or not isinstance(band, (tuple, list)) or len(band) != 2 or band[1] not in (1, -1):
+        if (
+            isinstance(band, (str, bytes))
+            or not isinstance(band, (tuple, list))
+            or len(band) != 2
+            or band[1] not in (1, -1)
+        ):
             raise refused
         try:
             layer = whole_number("--bands", band[0])
@@ -167,9 +174,7 @@ class CacheSettings:
             )
         require_seed(self.seed)
         if self.positions not in POSITION_MODES:
-            raise UsageError(
-                f"--positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}"
-            )
+            raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,8 @@ class ModelSettings:
         device_map: passed to Accelerate (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...).
         dtype: ``auto`` keeps the checkpoint's dtype (random weights: bfloat16 on CUDA, else float32).
         attn: ``auto`` picks flash_attention_2 when installed on CUDA, else sdpa.
-        shape: a known shape (:data:`epikv_cli.models.shapes.SHAPES`, checked when loading) built with random weights, instead of ``model``.
+        shape: a known shape (:data:`epikv_cli.models.shapes.SHAPES`, checked when loading) built with random
+            weights, instead of ``model``.
         layers: keep only this many decoder layers of a shape or config.json.
         compile: ``torch.compile`` the model's forward (the eviction bookkeeping stays outside it).
     """
@@ -265,10 +271,15 @@ def check_device_map(spec: str) -> None:
     backend = getattr(torch, kind, None)
     available = backend is not None and backend.is_available()
     if not available:
-        raise UsageError(f"--device-map {spec}: this machine has no {kind.upper()} device (torch sees none); use --device-map cpu or auto")
+        raise UsageError(
+            f"--device-map {spec}: this machine has no {kind.upper()} device (torch sees none); use --device-map "
+            "cpu or auto"
+        )
     count = backend.device_count() if hasattr(backend, "device_count") else 1
     if index is not None and int(index) >= count:
-        raise UsageError(f"--device-map {spec}: there is no {kind} device {index}; this machine has {count} (0-{count - 1})")
+        raise UsageError(
+            f"--device-map {spec}: there is no {kind} device {index}; this machine has {count} (0-{count - 1})"
+        )
 
 
 @dataclass(frozen=True)

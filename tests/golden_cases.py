@@ -29,10 +29,20 @@ TINY = ("llama", "gemma3")
 DEMO = "demo"
 #: The documented epikv2 variants (its docstring and docs/policies.md), each a spec of its own.
 EPIKV2_VARIANTS = (
-    "epikv2:keep=global", "epikv2:keep=layer", "epikv2:adapt=1", "epikv2:copy=0", "epikv2:loop=0",
-    "epikv2:keep=global:signal=epiphany", "epikv2:signal=none", "epikv2:keep=global:credit=mean",
-    "epikv2:keep=global:credit=max", "epikv2:values=1", "epikv2:keep=global:pool=7", "epikv2:prompt=keep:recent=0.25",
-    "epikv2:period=8:queries=4", "epikv2:decay=0.5",
+    "epikv2:keep=global",
+    "epikv2:keep=layer",
+    "epikv2:adapt=1",
+    "epikv2:copy=0",
+    "epikv2:loop=0",
+    "epikv2:keep=global:signal=epiphany",
+    "epikv2:signal=none",
+    "epikv2:keep=global:credit=mean",
+    "epikv2:keep=global:credit=max",
+    "epikv2:values=1",
+    "epikv2:keep=global:pool=7",
+    "epikv2:prompt=keep:recent=0.25",
+    "epikv2:period=8:queries=4",
+    "epikv2:decay=0.5",
 )
 POLICY_NAMES = ("epikv", "epikv2", "full", "h2o", "knorm", "lagkv", "random", "rkv", "streaming", "tova")
 SPECS = POLICY_NAMES + ("lagkv:chunks=positions",) + EPIKV2_VARIANTS
@@ -73,11 +83,11 @@ def all_cases() -> list[tuple[str, str, int]]:
 
 # ---- the only part that knows the engine ------------------------------------------------------------------
 def _api():
-    from epikv_cli.runtime.batched import BatchDecoder
-    from epikv_cli.runtime.stream import CacheStream
-    from epikv_cli.runtime.generation import Generation
-    from epikv_cli.policies.registry import make_policy, parse_policy_spec
     from epikv_cli.config import CacheSettings, SamplingSettings
+    from epikv_cli.policies.registry import make_policy, parse_policy_spec
+    from epikv_cli.runtime.batched import BatchDecoder
+    from epikv_cli.runtime.generation import Generation
+    from epikv_cli.runtime.stream import CacheStream
 
     return BatchDecoder, CacheStream, Generation, make_policy, parse_policy_spec, CacheSettings, SamplingSettings
 
@@ -102,8 +112,9 @@ def _row_record(tokens: list[int], evicted: list[list[int]], evicted_total: int,
     return {"tokens": tokens, "evicted": evicted, "evicted_total": evicted_total, "peak_stored": peak, "stored": stored}
 
 
-def run_case(model, tokenizer, prompts: list[torch.Tensor], spec: str, budgets: list[int | None], steps: int,
-             biased: bool) -> list[dict]:
+def run_case(
+    model, tokenizer, prompts: list[torch.Tensor], spec: str, budgets: list[int | None], steps: int, biased: bool
+) -> list[dict]:
     """Per row: chosen tokens, evicted positions per step, and the cache's counts at the end. One prompt runs
     alone, several as the rows of one batch, row ``i`` under ``budgets[i]``."""
     BatchDecoder, CacheStream, Generation, _, _, _, SamplingSettings = _api()
@@ -113,11 +124,20 @@ def run_case(model, tokenizer, prompts: list[torch.Tensor], spec: str, budgets: 
         return (logits + BIAS[step]).argmax(-1) if biased else logits.argmax(-1)
 
     if len(prompts) == 1 and not biased:  # the user's path: Generation (deferred host reads, greedy sampler)
-        run = Generation(model, tokenizer, prompts[0], settings[0], SamplingSettings(max_new_tokens=steps, ignore_eos=True))
+        run = Generation(
+            model, tokenizer, prompts[0], settings[0], SamplingSettings(max_new_tokens=steps, ignore_eos=True)
+        )
         events = list(run)
         result = run.result
-        return [_row_record([e.token_id for e in events], [sorted(e.evicted) for e in events], result.evicted,
-                            result.peak_stored, events[-1].stored)]
+        return [
+            _row_record(
+                [e.token_id for e in events],
+                [sorted(e.evicted) for e in events],
+                result.evicted,
+                result.peak_stored,
+                events[-1].stored,
+            )
+        ]
     if len(prompts) == 1:  # the replay primitive: one sequence, its reads settled at once
         tokens, evicted = [], []
         with CacheStream(model, settings[0], max_tokens=prompts[0].shape[1] + steps) as stream:
@@ -153,9 +173,9 @@ def run_case(model, tokenizer, prompts: list[torch.Tensor], spec: str, budgets: 
 def load_model(name: str):
     """``(model, tokenizer, prompts)``: a tiny random model with random prompts, or the demo model with questions."""
     if name == DEMO:
-        from epikv_cli.models.loading import load
-        from epikv_cli.data.prompts import build_input_ids
         from epikv_cli.config import ModelSettings
+        from epikv_cli.data.prompts import build_input_ids
+        from epikv_cli.models.loading import load
 
         loaded = load(ModelSettings(device_map="cpu"))
         loaded.model.epikv_calibration = None  # the default bands, whatever was calibrated on this machine
@@ -173,7 +193,9 @@ def replay(case: dict, loaded) -> list[dict]:
     torch.set_num_threads(1)
     try:
         chosen = [prompts[i] for i in case["prompts"]]
-        return run_case(model, tokenizer, chosen, case["spec"], case["budgets"], case["steps"], biased=case["model"] != DEMO)
+        return run_case(
+            model, tokenizer, chosen, case["spec"], case["budgets"], case["steps"], biased=case["model"] != DEMO
+        )
     finally:
         torch.set_num_threads(threads)
 

@@ -58,7 +58,11 @@ def test_taps_beside_sdpa_equal_eager_weights(arch):
     for layer, w in enumerate(weights):
         assert torch.allclose(record.received[layer][0], w[0].sum(dim=1).mean(dim=0), atol=1e-4)
         assert torch.allclose(record.last_row[layer][0], w[0, :, -1].mean(dim=0), atol=1e-6)
-        assert record.row(0, w.shape[-1]).queries[layer].shape == (model.config.num_attention_heads, 8, 8)  # [heads, last 8, head_dim]
+        assert record.row(0, w.shape[-1]).queries[layer].shape == (
+            model.config.num_attention_heads,
+            8,
+            8,
+        )  # [heads, last 8, head_dim]
 
 
 def test_eager_kernel_weights_are_used_as_they_are():
@@ -82,7 +86,11 @@ def test_query_ring_keeps_the_last_queries_in_order():
     assert ring.ordered(0).flatten().tolist() == [2.0, 3.0, 4.0]
     ring.add_row(torch.tensor([[7.0, 8.0, 9.0, 10.0]]).unsqueeze(-1), heads=1, dim=1, dtype=torch.float32, device="cpu")
     ring.write(torch.tensor([5.0, 11.0]).view(2, 1, 1, 1))
-    assert ring.ordered(0).flatten().tolist() == [3.0, 4.0, 5.0] and ring.ordered(1).flatten().tolist() == [9.0, 10.0, 11.0]
+    assert ring.ordered(0).flatten().tolist() == [3.0, 4.0, 5.0] and ring.ordered(1).flatten().tolist() == [
+        9.0,
+        10.0,
+        11.0,
+    ]
     ring.keep_rows(torch.tensor([1]))
     assert ring.ordered(0).flatten().tolist() == [9.0, 10.0, 11.0]
 
@@ -128,8 +136,13 @@ def test_stored_queries_come_with_the_kernels_scale():
         taps.remove()
     assert record.scaling[global_layer] == pytest.approx(2**-0.5)
     keys = cache.layers[global_layer].keys[0]  # [kv_heads, 12, dim], after RoPE and norm
-    got = received_attention(record.queries[global_layer].ordered(0), keys, torch.arange(8, 12), torch.arange(12),
-                             scaling=record.scaling[global_layer])
+    got = received_attention(
+        record.queries[global_layer].ordered(0),
+        keys,
+        torch.arange(8, 12),
+        torch.arange(12),
+        scaling=record.scaling[global_layer],
+    )
     eager = tiny_model("gemma3", seed=5, query_pre_attn_scalar=2, _attn_implementation="eager")
     with torch.no_grad():
         weights = eager(ids, output_attentions=True).attentions[global_layer][0]  # [heads, 12, 12]

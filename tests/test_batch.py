@@ -13,11 +13,11 @@ import torch
 from typer.testing import CliRunner
 
 from epikv_cli.cli import batch
-from epikv_cli.runtime import generation as engine
+from epikv_cli.cli.app import app
 from epikv_cli.cli.batch import read_prompt_file
 from epikv_cli.data.jsonl import read_results
-from epikv_cli.cli.app import app
 from epikv_cli.errors import UsageError
+from epikv_cli.runtime import generation as engine
 
 runner = CliRunner()
 
@@ -28,7 +28,19 @@ def write(path, lines):
 
 
 def run(model_dir, prompts, output, *extra, input=None):
-    args = ["generate", "--model", str(model_dir), "-n", "8", "-b", "48", "--ignore-eos", "-q", "--prompts", str(prompts)]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "-n",
+        "8",
+        "-b",
+        "48",
+        "--ignore-eos",
+        "-q",
+        "--prompts",
+        str(prompts),
+    ]
     if output is not None:
         args += ["--output", str(output)]
     return runner.invoke(app, [*args, *extra], input=input)
@@ -40,7 +52,11 @@ def records(path):
 
 def error_lines(result):
     """Line numbers named by ``epikv: FILE:LINE: message`` lines on stderr."""
-    return [int(line.split(":")[2]) for line in result.stderr.strip().splitlines() if line.startswith("epikv: ") and "error:" not in line]
+    return [
+        int(line.split(":")[2])
+        for line in result.stderr.strip().splitlines()
+        if line.startswith("epikv: ") and "error:" not in line
+    ]
 
 
 def assert_one_line_usage_error(result, *needles):
@@ -72,14 +88,17 @@ def test_plain_text_file(tiny_model_dir, tmp_path):
 
 
 def test_jsonl_with_good_malformed_and_over_budget_lines(tiny_model_dir, tmp_path):
-    prompts = write(tmp_path / "p.jsonl", [
-        json.dumps({"id": "a", "prompt": "hello", "max_new_tokens": 3}),
-        "{not json",
-        json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}),
-        json.dumps({"id": "c", "prompt": "x" * 200}),  # longer than the 48-token budget
-        json.dumps({"id": "d"}),
-        json.dumps({"id": "e", "prompt": "short", "budget": 64}),
-    ])
+    prompts = write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"id": "a", "prompt": "hello", "max_new_tokens": 3}),
+            "{not json",
+            json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}),
+            json.dumps({"id": "c", "prompt": "x" * 200}),  # longer than the 48-token budget
+            json.dumps({"id": "d"}),
+            json.dumps({"id": "e", "prompt": "short", "budget": 64}),
+        ],
+    )
     out = tmp_path / "out.jsonl"
     result = run(tiny_model_dir, prompts, out, "-p", "epikv")  # epikv protects the prompt: line c cannot fit
     assert result.exit_code == 1
@@ -97,18 +116,23 @@ def test_jsonl_with_good_malformed_and_over_budget_lines(tiny_model_dir, tmp_pat
 
 def test_bad_per_line_settings_are_that_lines_error(tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join([
-        '{"id": "nan", "prompt": "hi", "temperature": NaN, "top_p": 0.9}',
-        json.dumps({"id": "neg", "prompt": "hi", "max_new_tokens": -3}),
-        json.dumps({"id": "unknown", "prompt": "hi", "max_tokens": 5}),
-        json.dumps({"id": "type", "prompt": "hi", "budget": "64"}),
-        json.dumps({"id": "bool", "prompt": "hi", "top_k": True}),
-        json.dumps({"id": "ok", "prompt": "hi", "stop": ["zzz"], "seed": 3}),
-        json.dumps({"id": "recent", "prompt": "hi", "recent": -1}),
-        json.dumps({"id": ["not", "an", "id"], "prompt": "hi"}),
-        json.dumps({"id": "huge", "prompt": "hi", "budget": 10**20}),
-        json.dumps({"id": "blank", "prompt": "  \n"}),
-    ]) + "\n")
+    prompts.write_text(
+        "\n".join(
+            [
+                '{"id": "nan", "prompt": "hi", "temperature": NaN, "top_p": 0.9}',
+                json.dumps({"id": "neg", "prompt": "hi", "max_new_tokens": -3}),
+                json.dumps({"id": "unknown", "prompt": "hi", "max_tokens": 5}),
+                json.dumps({"id": "type", "prompt": "hi", "budget": "64"}),
+                json.dumps({"id": "bool", "prompt": "hi", "top_k": True}),
+                json.dumps({"id": "ok", "prompt": "hi", "stop": ["zzz"], "seed": 3}),
+                json.dumps({"id": "recent", "prompt": "hi", "recent": -1}),
+                json.dumps({"id": ["not", "an", "id"], "prompt": "hi"}),
+                json.dumps({"id": "huge", "prompt": "hi", "budget": 10**20}),
+                json.dumps({"id": "blank", "prompt": "  \n"}),
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
     result = run(tiny_model_dir, prompts, out)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
@@ -184,7 +208,10 @@ def spy_on_prompts(monkeypatch):
 def test_resume_skips_finished_ids(tiny_model_dir, tmp_path, monkeypatch):
     prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"id": 2, "line": 2, "prompt": "two", "text": "kept", "stats": {}, "error": None}) + "\n{\"id\": 3, \"li")
+    out.write_text(
+        json.dumps({"id": 2, "line": 2, "prompt": "two", "text": "kept", "stats": {}, "error": None})
+        + '\n{"id": 3, "li'
+    )
     seen = spy_on_prompts(monkeypatch)
     result = run(tiny_model_dir, prompts, out, "--resume")
     assert result.exit_code == 0, result.stderr
@@ -275,7 +302,9 @@ def test_existing_output_needs_resume_or_overwrite(tiny_model_dir, tmp_path, mon
     out.write_text('{"id": "someone else\'s", "text": "precious"}\n')
     with monkeypatch.context() as patch:
         patch.setattr(batch, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
-        assert_one_line_usage_error(run(tiny_model_dir, prompts, out), "already holds results", "--resume", "--overwrite")
+        assert_one_line_usage_error(
+            run(tiny_model_dir, prompts, out), "already holds results", "--resume", "--overwrite"
+        )
         assert_one_line_usage_error(run(tiny_model_dir, prompts, out, "--resume", "--overwrite"), "give one of them")
         assert_one_line_usage_error(run(tiny_model_dir, prompts, None, "--overwrite"), "--overwrite needs --output")
     assert "precious" in out.read_text()  # nothing was touched
@@ -332,7 +361,20 @@ def test_batch_usage_errors(tiny_model_dir, tmp_path, no_model_load, args, needl
 
 def test_no_chat_template_is_said_once(tmp_path, plain_model_dir):
     prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
-    result = runner.invoke(app, ["generate", "--model", str(plain_model_dir), "-n", "2", "--prompts", str(prompts), "-o", str(tmp_path / "o.jsonl")])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(plain_model_dir),
+            "-n",
+            "2",
+            "--prompts",
+            str(prompts),
+            "-o",
+            str(tmp_path / "o.jsonl"),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("has no chat template; the prompt is used as plain text") == 1
 
@@ -361,9 +403,15 @@ def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path)
     assert f"use --budget {suggested} or more" in records(out)[0]["error"]
 
 
-@pytest.mark.parametrize("policy, options", [("h2o", []), ("tova", []), ("rkv", []), ("knorm", []), ("lagkv", ["--policy-option", "chunks=positions"])])
+@pytest.mark.parametrize(
+    "policy, options",
+    [("h2o", []), ("tova", []), ("rkv", []), ("knorm", []), ("lagkv", ["--policy-option", "chunks=positions"])],
+)
 def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy, options):
-    prompts = write(tmp_path / "p.jsonl", [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 200}) for i in range(2)])
+    prompts = write(
+        tmp_path / "p.jsonl",
+        [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 200}) for i in range(2)],
+    )
     out = tmp_path / "out.jsonl"
     result = run(tiny_model_dir, prompts, out, "--policy", policy, *options)
     assert result.exit_code == 0, result.stderr
@@ -372,14 +420,20 @@ def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy, options
 
 
 def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_path):
-    lines = [json.dumps({"id": f"q{i}", "prompt": f"question number {i} " * (i + 1), "max_new_tokens": 6 + 5 * i}) for i in range(5)]
+    lines = [
+        json.dumps({"id": f"q{i}", "prompt": f"question number {i} " * (i + 1), "max_new_tokens": 6 + 5 * i})
+        for i in range(5)
+    ]
     lines.insert(2, "{broken")
     prompts = write(tmp_path / "p.jsonl", lines)
     one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
     first = run(tiny_model_dir, prompts, one, "--policy", "h2o")
     assert first.exit_code == 1, first.stderr
     assert run(tiny_model_dir, prompts, four, "--policy", "h2o", "--batch-size", "4").exit_code == 1
-    strip = lambda rows: [(r["id"], r["text"], r["error"], (r["stats"] or {}).get("evicted")) for r in rows]
+
+    def strip(rows):
+        return [(r["id"], r["text"], r["error"], (r["stats"] or {}).get("evicted")) for r in rows]
+
     assert strip(records(four)) == strip(records(one))
     assert [r["stats"]["generated_tokens"] for r in records(four) if r["stats"]] == [6, 11, 16, 21, 26]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epikv_cli.config import CacheSettings
+from epikv_cli.policies.registry import POLICIES, parse_policy_spec
 from epikv_cli.runtime.batched import BatchDecoder
 from epikv_cli.runtime.stream import CacheStream
-from epikv_cli.policies.registry import POLICIES, parse_policy_spec
-from epikv_cli.config import CacheSettings
 
 from conftest import tiny_model
 
@@ -29,7 +29,9 @@ def settings_for(spec: str, prompt_len: int) -> CacheSettings:
         return CacheSettings(budget=None, policy="full")
     cls = POLICIES[policy]
     small_recent = (("recent", "0.25"),) if policy == "epikv2" else ()  # so that its scores decide most evictions
-    return CacheSettings(budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy, options=small_recent + options)
+    return CacheSettings(
+        budget=prompt_len + 24 if cls.protects_prompt else 16, policy=policy, options=small_recent + options
+    )
 
 
 def alone(model, ids, settings, steps=STEPS, biased=True):
@@ -49,7 +51,9 @@ def alone(model, ids, settings, steps=STEPS, biased=True):
 # is decided by rounding there; knorm is checked on Llama, whose key norms differ.
 # lagkv:chunks=positions is another rule (scores frozen at append), not just another setting.
 SPECS = [*sorted(POLICIES), "lagkv:chunks=positions"]
-CASES = [(arch, policy) for arch in ("llama", "qwen3", "gemma3") for policy in SPECS if arch == "llama" or policy != "knorm"]
+CASES = [
+    (arch, policy) for arch in ("llama", "qwen3", "gemma3") for policy in SPECS if arch == "llama" or policy != "knorm"
+]
 
 
 @pytest.mark.parametrize("arch, policy", CASES)
@@ -70,8 +74,12 @@ def test_a_batch_of_prompts_equals_each_prompt_alone(arch, policy):
         evicted = [row.evicted_total for row in decoder.cache.rows]
     for row, (want_tokens, want_logits) in enumerate(expected):
         assert tokens[row] == want_tokens, (policy, row)
-        assert torch.allclose(torch.stack(seen[row]), want_logits, atol=1e-4, rtol=0), (torch.stack(seen[row]) - want_logits).abs().max()
-    assert (min(evicted) > 0) == POLICIES[parse_policy_spec(policy)[0]].evicts  # rows really evicted (none under the full cache)
+        assert torch.allclose(torch.stack(seen[row]), want_logits, atol=1e-4, rtol=0), (
+            (torch.stack(seen[row]) - want_logits).abs().max()
+        )
+    assert (min(evicted) > 0) == POLICIES[
+        parse_policy_spec(policy)[0]
+    ].evicts  # rows really evicted (none under the full cache)
 
 
 def test_rows_leave_and_join_without_disturbing_the_others():
@@ -110,8 +118,13 @@ def test_rows_with_different_policies_and_budgets_in_one_batch():
     """Attention weights are computed only for the rows that read them; every row still equals its run alone."""
     model = tiny_model("qwen3", seed=5)
     prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (11, 17, 8, 23, 14)]
-    settings = [CacheSettings(budget=20, policy="h2o"), CacheSettings(budget=48, policy="epikv"), CacheSettings(budget=16, policy="tova"),
-                CacheSettings(budget=30, policy="streaming"), CacheSettings(budget=40, policy="epikv2")]
+    settings = [
+        CacheSettings(budget=20, policy="h2o"),
+        CacheSettings(budget=48, policy="epikv"),
+        CacheSettings(budget=16, policy="tova"),
+        CacheSettings(budget=30, policy="streaming"),
+        CacheSettings(budget=40, policy="epikv2"),
+    ]
     expected = [alone(model, ids, s) for ids, s in zip(prompts, settings)]
     with BatchDecoder(model, settings) as decoder:
         logits = torch.stack([decoder.add(ids, s, ids.shape[1] + STEPS) for ids, s in zip(prompts, settings)])
@@ -195,7 +208,9 @@ def test_a_granular_rows_next_token_fills_each_heads_victim_slot_and_nothing_mov
         vacant = heads.vacant.clone()  # [layers, kv_heads]: the slots last step's victims left
         stored = decoder.row(1).stored
         layers = [decoder.cache.layers[i] for i in decoder.cache.full_layer_indices]
-        before = torch.stack([layer.keys[1, :, : stored + 1].clone() for layer in layers])  # [layers, kv_heads, slots, dim]
+        before = torch.stack(
+            [layer.keys[1, :, : stored + 1].clone() for layer in layers]
+        )  # [layers, kv_heads, slots, dim]
         logits = decoder.step(choose(logits, 30))
         after = torch.stack([layer.keys[1, :, : stored + 1] for layer in layers])
         position = decoder.row(1).seen - 1
@@ -204,8 +219,10 @@ def test_a_granular_rows_next_token_fills_each_heads_victim_slot_and_nothing_mov
     written.scatter_(-1, vacant[..., None], True)
     assert torch.equal(after[~written], before[~written])  # no entry moved
     assert not torch.equal(after[written], before[written])  # the vacant slots took the new token's keys
-    assert torch.equal(torch.gather(heads.positions[:, :, : stored + 1], -1, vacant[..., None])[..., 0],
-                       torch.full(vacant.shape, position))
+    assert torch.equal(
+        torch.gather(heads.positions[:, :, : stored + 1], -1, vacant[..., None])[..., 0],
+        torch.full(vacant.shape, position),
+    )
 
 
 def test_a_row_joining_the_batch_leaves_the_refresh_buffers_in_place():

@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
+from test_exactness import masked_reference
 from typer.testing import CliRunner
 
-from epikv_cli.cli.calibrate import choose_bands, rolling_mean, spearman, window_labels, WINDOW, STRIDE
 from epikv_cli.cli.app import app
+from epikv_cli.cli.calibrate import STRIDE, WINDOW, choose_bands, rolling_mean, spearman, window_labels
 from epikv_cli.errors import UsageError
 
 from conftest import tiny_model
-from test_exactness import masked_reference
 
 runner = CliRunner()
 
@@ -66,7 +66,9 @@ def test_calibrated_bands_are_saved_and_used_until_overridden(tiny_model_dir, tm
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
     prompts = tmp_path / "p.txt"
     prompts.write_text("The first prompt.\nA second one, longer than the first.\n")
-    result = runner.invoke(app, ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "64", "--json", "-q"])
+    result = runner.invoke(
+        app, ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "64", "--json", "-q"]
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE)) and len(data["spearman"]) == 4
@@ -75,7 +77,12 @@ def test_calibrated_bands_are_saved_and_used_until_overridden(tiny_model_dir, tm
     run = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "hi"])
     used = json.loads(run.stdout)
     assert used["bands"] == saved["bands"] and used["bands_source"] == f"calibrated ({data['path']})"
-    override = json.loads(runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "--bands", "0:+1", "hi"]).stdout)
+    override = json.loads(
+        runner.invoke(
+            app,
+            ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "--bands", "0:+1", "hi"],
+        ).stdout
+    )
     assert override["bands"] == [[0, 1.0]] and override["bands_source"] == "--bands"
 
 

@@ -17,11 +17,11 @@ import pytest
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
-from epikv_cli.runtime import generation as engine
-from epikv_cli.core.cache import HEADROOM
 from epikv_cli.cli.app import app
 from epikv_cli.cli.entry import STARTUP_INTERRUPTED
+from epikv_cli.core.cache import HEADROOM
 from epikv_cli.policies.registry import POLICIES
+from epikv_cli.runtime import generation as engine
 
 runner = CliRunner()
 
@@ -82,12 +82,16 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
 @pytest.mark.parametrize(
     "extra",
     [
-        ["-p", "epikv", "--bands", "0:+1,3:-1"], ["--positions", "compressed"], ["-p", "lagkv", "--policy-option", "chunks=positions"],
+        ["-p", "epikv", "--bands", "0:+1,3:-1"],
+        ["--positions", "compressed"],
+        ["-p", "lagkv", "--policy-option", "chunks=positions"],
         *(["--policy", name] for name in sorted(POLICIES) if name != "full"),
     ],
 )
 def test_every_policy_and_mode_runs(tiny_model_dir, extra):
-    result = invoke("generate", "--model", str(tiny_model_dir), "-n", "160", "-b", "24", "--json", "--ignore-eos", *extra, "hi")
+    result = invoke(
+        "generate", "--model", str(tiny_model_dir), "-n", "160", "-b", "24", "--json", "--ignore-eos", *extra, "hi"
+    )
     assert result.exit_code == 0, (extra, result.stderr)
     assert json.loads(result.stdout)["evicted"] > 0
 
@@ -116,7 +120,11 @@ def test_typers_pydantic_prefix_is_not_shown():
 @pytest.mark.parametrize(
     "args, input, needles",
     [
-        (["-p", "epikv", "--budget", "20", "a long enough prompt"], None, ["--budget 20 is not larger than", "use --budget"]),
+        (
+            ["-p", "epikv", "--budget", "20", "a long enough prompt"],
+            None,
+            ["--budget 20 is not larger than", "use --budget"],
+        ),
         ([""], None, ["prompt is empty"]),
         (["-"], "   \n", ["stdin held no prompt text"]),
         (["-"], "", ["stdin held no prompt text"]),
@@ -173,11 +181,28 @@ def test_real_sigint_stops_cleanly(tiny_model_dir):
     import sys
     import time
 
-    command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir),
-               "-b", "64", "-n", "1000000", "--ignore-eos", "hello"]
+    command = [
+        sys.executable,
+        "-m",
+        "epikv_cli",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-b",
+        "64",
+        "-n",
+        "1000000",
+        "--ignore-eos",
+        "hello",
+    ]
     # a shell's background job inherits SIGINT ignored, and Python keeps it so: restore the default
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     first = b""
     deadline = time.monotonic() + 120
     while not first.strip() and time.monotonic() < deadline:
@@ -222,7 +247,9 @@ def interrupt_after(monkeypatch, forwards: int) -> None:
 def test_huge_max_new_tokens_allocates_as_the_cache_fills(tiny_model_dir, monkeypatch, args):
     interrupt_after(monkeypatch, 20)
     with address_space_limit(4 * 2**30):  # the old up-front allocation (~51 GB here) would fail inside it
-        result = invoke("generate", "--model", str(tiny_model_dir), "-n", "100000000", "--ignore-eos", "--json", *args, "hello")
+        result = invoke(
+            "generate", "--model", str(tiny_model_dir), "-n", "100000000", "--ignore-eos", "--json", *args, "hello"
+        )
     assert result.exit_code == 130, result.stderr
     data = json.loads(result.stdout)
     assert data["generated_tokens"] == 20 and data["stop_reason"] == "interrupted"
@@ -289,7 +316,9 @@ def test_ctrl_c_while_the_model_loads(tiny_model_dir, monkeypatch, as_json):
     if as_json:
         data = json.loads(result.stdout)
         assert data["stop_reason"] == "interrupted" and data["generated_tokens"] == 0 and data["text"] == ""
-        assert set(data) == set(json.loads(invoke("generate", "--model", str(tiny_model_dir), "-n", "1", "--json", "hi").stdout))
+        assert set(data) == set(
+            json.loads(invoke("generate", "--model", str(tiny_model_dir), "-n", "1", "--json", "hi").stdout)
+        )
     else:
         assert result.stdout == ""
 
@@ -321,7 +350,18 @@ def test_a_reader_that_closes_the_pipe_ends_the_run_quietly_with_141(tiny_model_
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\n")
     source = ["--prompts", str(prompts)] if batch else ["hello"]
-    command = [sys.executable, "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir), "-n", "8", "--ignore-eos", *source]
+    command = [
+        sys.executable,
+        "-m",
+        "epikv_cli",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-n",
+        "8",
+        "--ignore-eos",
+        *source,
+    ]
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader has already gone
     try:
@@ -338,7 +378,9 @@ def test_eager_options_to_a_closed_pipe_exit_141_too(args):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        process = subprocess.run([sys.executable, "-m", "epikv_cli", *args], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+        process = subprocess.run(
+            [sys.executable, "-m", "epikv_cli", *args], stdout=write_end, stderr=subprocess.PIPE, timeout=120
+        )
     finally:
         os.close(write_end)
     assert process.returncode == 141 and process.stderr == b"", process.stderr
@@ -350,7 +392,13 @@ def suggested_budget(stderr: str) -> int:
 
 @pytest.mark.parametrize(
     "prompt, extra",
-    [("hello", []), ("hello", ["-p", "epikv"]), ("a" * 300, ["-p", "epikv"]), ("hello", ["-p", "epikv", "--recent", "30"]), ("hello", ["-p", "streaming"])],
+    [
+        ("hello", []),
+        ("hello", ["-p", "epikv"]),
+        ("a" * 300, ["-p", "epikv"]),
+        ("hello", ["-p", "epikv", "--recent", "30"]),
+        ("hello", ["-p", "streaming"]),
+    ],
 )
 def test_the_suggested_budget_works_and_is_the_smallest(tiny_model_dir, prompt, extra):
     def run(budget):

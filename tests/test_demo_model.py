@@ -8,11 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
-from epikv_cli.models.demo import demo_gguf_path, ensure_demo_model
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.models.loading import load
-from epikv_cli.data.prompts import build_input_ids
 from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
+from epikv_cli.data.prompts import build_input_ids
+from epikv_cli.models.demo import demo_gguf_path, ensure_demo_model
+from epikv_cli.models.loading import load
+from epikv_cli.runtime.generation import Generation
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,11 @@ def demo():
 def test_300_tokens_at_budget_128(demo):
     ids = build_input_ids(demo.tokenizer, "Explain step by step how a bicycle stays upright.")
     run = Generation(
-        demo.model, demo.tokenizer, ids, CacheSettings(budget=128), SamplingSettings(max_new_tokens=320, ignore_eos=True)
+        demo.model,
+        demo.tokenizer,
+        ids,
+        CacheSettings(budget=128),
+        SamplingSettings(max_new_tokens=320, ignore_eos=True),
     )
     streamed, stored = [], []
     for event in run:
@@ -42,7 +46,9 @@ def test_300_tokens_at_budget_128(demo):
 
 
 def test_cli_default_model_json(demo):
-    result = CliRunner().invoke(app, ["generate", "--budget", "64", "-n", "60", "--ignore-eos", "--json", "What is 2+2?"])
+    result = CliRunner().invoke(
+        app, ["generate", "--budget", "64", "-n", "60", "--ignore-eos", "--json", "What is 2+2?"]
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["generated_tokens"] == 60 and data["evicted"] > 0 and data["peak_stored"] == 65
@@ -56,7 +62,9 @@ def test_gguf_file_loads_to_the_same_model(demo, capfd):
     assert gguf.source.kind == "gguf"
     assert capfd.readouterr().err == ""  # no de-quantisation progress bar: loading is quiet, as for safetensors
     runs = [
-        Generation(m.model, m.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=12, ignore_eos=True))
+        Generation(
+            m.model, m.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=12, ignore_eos=True)
+        )
         for m in (demo, gguf)
     ]
     tokens = [[e.token_id for e in run] for run in runs]
@@ -68,10 +76,22 @@ def test_no_eviction_reproduces_generate_on_the_real_model(demo):
 
     ids = build_input_ids(demo.tokenizer, "Explain why the sky is blue.")
     reference = demo.model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=30,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
     )
-    run = Generation(demo.model, demo.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=30, ignore_eos=True), keep_logits=True)
+    run = Generation(
+        demo.model,
+        demo.tokenizer,
+        ids,
+        CacheSettings(budget=512),
+        SamplingSettings(max_new_tokens=30, ignore_eos=True),
+        keep_logits=True,
+    )
     events = list(run)
-    assert [e.token_id for e in events] == reference.sequences[0, ids.shape[1]:].tolist()
-    assert max(float((e.logits - l[0]).abs().max()) for e, l in zip(events, reference.logits)) <= 1e-5
+    assert [e.token_id for e in events] == reference.sequences[0, ids.shape[1] :].tolist()
+    assert max(float((e.logits - row[0]).abs().max()) for e, row in zip(events, reference.logits)) <= 1e-5

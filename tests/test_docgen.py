@@ -57,7 +57,18 @@ def bash_complete(*words: str) -> list[str]:
 
 
 def test_bash_completion():
-    assert bash_complete("epikv", "") == ["calibrate", "eval", "fidelity", "generate", "profile", "--version", "--install-completion", "--show-completion", "--help", "-h"]
+    assert bash_complete("epikv", "") == [
+        "calibrate",
+        "eval",
+        "fidelity",
+        "generate",
+        "profile",
+        "--version",
+        "--install-completion",
+        "--show-completion",
+        "--help",
+        "-h",
+    ]
     assert bash_complete("epikv", "profile", "--sha") == ["--shape"]
     assert bash_complete("epikv", "profile", "--shape", "qw") == ["qwen2.5-32b", "qwen3-8b", "qwq-32b"]
     assert bash_complete("epikv", "generate", "--pol") == ["--policy", "--policy-option"]
@@ -92,7 +103,9 @@ def test_install_completion_still_works(tmp_path):
     epikv = str(Path(sys.executable).parent / "epikv")  # the installed console script, named as users type it
     # Typer detects the shell from the process's ancestors, so run it from bash as a user would
     # (the trailing command keeps bash from exec-ing epikv in its place)
-    done = subprocess.run(["bash", "-c", f"{epikv} --install-completion; exit $?"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", "-c", f"{epikv} --install-completion; exit $?"], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / ".bash_completions/epikv.sh").exists()
     # and Typer's dynamic completion answers through the one-line-error wrapper

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from epikv_cli.runtime.generation import Generation, build_logits_processors
-from epikv_cli.errors import UsageError
 from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.runtime.generation import Generation, build_logits_processors
 
 from conftest import tiny_model
 
@@ -60,7 +60,8 @@ def test_eos_stops_generation(tokenizer):
 def test_stop_string_ends_generation(tokenizer):
     events, result = run(tokenizer, max_new_tokens=40)
     index, char = next(
-        (i, tokenizer.decode([e.token_id])) for i, e in enumerate(events)
+        (i, tokenizer.decode([e.token_id]))
+        for i, e in enumerate(events)
         if i >= 5 and tokenizer.decode([e.token_id]).isascii() and tokenizer.decode([e.token_id]).isalnum()
     )
     stopped, stopped_result = run(tokenizer, max_new_tokens=40, stop=(char,))
@@ -81,7 +82,9 @@ def test_events_report_the_cache(tokenizer):
 
 
 def test_streamed_text_adds_up_to_the_result(tokenizer):
-    generation = Generation(MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50, ignore_eos=True))
+    generation = Generation(
+        MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50, ignore_eos=True)
+    )
     streamed = "".join(e.text for e in generation) + generation.tail_text
     assert streamed == generation.result.text
 
@@ -107,7 +110,13 @@ def test_a_prompt_longer_than_the_slot_headroom_and_the_budget_is_cut_at_the_pre
     300-token prompt (more than the 256 slots a cache starts with) under a 64-token budget."""
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
     for policy in ("streaming", "epikv2", "h2o"):
-        run = Generation(MODEL, tokenizer, ids, CacheSettings(budget=64, policy=policy), SamplingSettings(max_new_tokens=3, ignore_eos=True))
+        run = Generation(
+            MODEL,
+            tokenizer,
+            ids,
+            CacheSettings(budget=64, policy=policy),
+            SamplingSettings(max_new_tokens=3, ignore_eos=True),
+        )
         events = list(run)
         assert [event.stored for event in events] == [64, 64, 64], policy
         evicted = [position for event in events for position in event.evicted]
@@ -119,8 +128,12 @@ def test_a_prompt_longer_than_the_slot_headroom_and_the_budget_is_cut_at_the_pre
 
 
 def test_a_batch_of_input_ids_is_refused_with_the_batched_way(tokenizer):
-    with pytest.raises(UsageError, match=r"Generation decodes one sequence: input_ids must be \[1, prompt_len\], got \[2, 8\]"):
-        Generation(MODEL, tokenizer, torch.cat([IDS, IDS]), CacheSettings(budget=24), SamplingSettings(max_new_tokens=3))
+    with pytest.raises(
+        UsageError, match=r"Generation decodes one sequence: input_ids must be \[1, prompt_len\], got \[2, 8\]"
+    ):
+        Generation(
+            MODEL, tokenizer, torch.cat([IDS, IDS]), CacheSettings(budget=24), SamplingSettings(max_new_tokens=3)
+        )
 
 
 def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(tmp_path):
@@ -138,13 +151,17 @@ def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(
         "from epikv_cli.runtime.generation import Generation\n"
         "from epikv_cli.config import CacheSettings, SamplingSettings\n"
         "steps = iter(Generation(tiny_model('llama'), make_tokenizer(), torch.arange(3, 40)[None],\n"
-        "                        CacheSettings(budget=20, policy='streaming'), SamplingSettings(max_new_tokens=50, ignore_eos=True)))\n"
+        "                        CacheSettings(budget=20, policy='streaming'), "
+        "SamplingSettings(max_new_tokens=50, ignore_eos=True)))\n"
         "for _ in range(5):\n"
         "    next(steps)\n"
         "print('stopped after 5')\n"
     )
     tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert (done.returncode, done.stdout) == (0, "stopped after 5\n"), done.stderr[-2000:]
 
@@ -152,7 +169,16 @@ def test_a_generation_left_unfinished_at_exit_lets_the_interpreter_exit_cleanly(
 def test_events_carry_logits_only_when_asked(tokenizer):
     plain, _ = run(tokenizer, max_new_tokens=6)
     assert all(event.logits is None for event in plain)
-    kept = list(Generation(MODEL, tokenizer, IDS, CacheSettings(budget=512), SamplingSettings(max_new_tokens=6, ignore_eos=True), keep_logits=True))
+    kept = list(
+        Generation(
+            MODEL,
+            tokenizer,
+            IDS,
+            CacheSettings(budget=512),
+            SamplingSettings(max_new_tokens=6, ignore_eos=True),
+            keep_logits=True,
+        )
+    )
     assert [tuple(event.logits.shape) for event in kept] == [(MODEL.config.vocab_size,)] * 6
     assert [e.token_id for e in kept] == [e.token_id for e in plain] == [int(e.logits.argmax()) for e in kept]
 

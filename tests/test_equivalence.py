@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import epikv_cli
-from epikv_cli.runtime.generation import Generation
 from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
 
 from conftest import ARCHITECTURES, tiny_model
 
@@ -17,10 +17,15 @@ NEW = 24
 
 def reference(model, ids):
     out = model.generate(
-        ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        eos_token_id=None, pad_token_id=0,
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out.sequences[0, ids.shape[1]:], torch.stack([l[0] for l in out.logits])
+    return out.sequences[0, ids.shape[1] :], torch.stack([row[0] for row in out.logits])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -32,7 +37,11 @@ def test_engine_matches_generate_when_nothing_is_evicted(arch, policy, tokenizer
 
     budget = PROMPT_LEN + NEW + 128  # room for the recent window too
     run = Generation(
-        model, tokenizer, ids, CacheSettings(budget=budget, policy=policy), SamplingSettings(max_new_tokens=NEW, ignore_eos=True),
+        model,
+        tokenizer,
+        ids,
+        CacheSettings(budget=budget, policy=policy),
+        SamplingSettings(max_new_tokens=NEW, ignore_eos=True),
         keep_logits=True,
     )
     events = list(run)
@@ -50,11 +59,17 @@ def test_attach_matches_generate_when_nothing_is_evicted(arch):
     tokens, logits = reference(model, ids)
     with epikv_cli.attach(model, budget=4096) as cache:
         out = model.generate(
-            ids, cache=cache, max_new_tokens=NEW, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            ids,
+            cache=cache,
+            max_new_tokens=NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     assert out.sequences[0, PROMPT_LEN:].tolist() == tokens.tolist()
-    assert torch.allclose(torch.stack([l[0] for l in out.logits]), logits, atol=1e-5, rtol=0)
+    assert torch.allclose(torch.stack([row[0] for row in out.logits]), logits, atol=1e-5, rtol=0)
     assert cache.evicted_total == 0
 
 

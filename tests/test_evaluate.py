@@ -58,7 +58,13 @@ class ScriptedGeneration:
         self.sampling = sampling
 
     def __iter__(self):
-        self.result = SimpleNamespace(text=self.text, prompt_tokens=10, generated_tokens=len(self.text), stop_reason="eos", decode_tokens_per_s=20.0)
+        self.result = SimpleNamespace(
+            text=self.text,
+            prompt_tokens=10,
+            generated_tokens=len(self.text),
+            stop_reason="eos",
+            decode_tokens_per_s=20.0,
+        )
         return iter(())
 
 
@@ -70,18 +76,47 @@ def test_eval_end_to_end_with_scripted_answers(tiny_model_dir, tmp_path, monkeyp
         {"question": "How many legs do 3 cats have?", "answer": "Each cat has 4 legs.\n#### 12"},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ScriptedGeneration.answers = {"1/2 + 1/4": r"so \boxed{0.75}", "6 times 7": r"\boxed{41}", "3 cats": "3 * 4 = 12\n#### 12"}
+    ScriptedGeneration.answers = {
+        "1/2 + 1/4": r"so \boxed{0.75}",
+        "6 times 7": r"\boxed{41}",
+        "3 cats": "3 * 4 = 12\n#### 12",
+    }
     monkeypatch.setattr(evaluate, "Generation", ScriptedGeneration)
     out = tmp_path / "eval.jsonl"
-    args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--policies", "full,streaming", "--budgets", "+64",
-            "-n", "16", "-o", str(out), "--json", "-q"]
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--policies",
+        "full,streaming",
+        "--budgets",
+        "+64",
+        "-n",
+        "16",
+        "-o",
+        str(out),
+        "--json",
+        "-q",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     summary = {r["policy"]: r for r in json.loads(result.stdout)["results"]}
-    assert summary["full"]["correct"] == 2 and summary["full"]["problems"] == 3 and summary["full"]["accuracy"] == pytest.approx(2 / 3)
+    assert (
+        summary["full"]["correct"] == 2
+        and summary["full"]["problems"] == 3
+        and summary["full"]["accuracy"] == pytest.approx(2 / 3)
+    )
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["policy"], r["correct"]) for r in lines] == [
-        (1, "full", True), (1, "streaming", True), (2, "full", False), (2, "streaming", False), (3, "full", True), (3, "streaming", True)]
+        (1, "full", True),
+        (1, "streaming", True),
+        (2, "full", False),
+        (2, "streaming", False),
+        (3, "full", True),
+        (3, "streaming", True),
+    ]
     assert lines[2]["prediction"] == "41" and lines[2]["reference"] == "42"
     resumed = runner.invoke(app, [*args[:-4], "-o", str(out), "--resume", "--json", "-q"])
     assert resumed.exit_code == 0 and len(out.read_text().splitlines()) == 6  # nothing ran twice
@@ -102,17 +137,40 @@ def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     args = [str(data) if a == "DATA" else a for a in args]
     result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "-n", "4", *args])
-    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr
+    )
 
 
 def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path):
     data = tmp_path / "set.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    data.write_text(
+        "".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(4))
+    )
     outputs = []
     for batch in ("1", "3"):
         out = tmp_path / f"eval{batch}.jsonl"
-        result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--policies", "full,epikv",
-                                     "--budgets", "+12", "-n", "20", "-o", str(out), "--batch-size", batch, "-q"])
+        result = runner.invoke(
+            app,
+            [
+                "eval",
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(data),
+                "--policies",
+                "full,epikv",
+                "--budgets",
+                "+12",
+                "-n",
+                "20",
+                "-o",
+                str(out),
+                "--batch-size",
+                batch,
+                "-q",
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: (r["id"], r["policy"]))
         outputs.append([(r["id"], r["policy"], r.get("text"), r.get("error")) for r in rows])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.policies.registry import POLICIES, parse_policy_spec
 from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.policies.registry import POLICIES, parse_policy_spec
+from epikv_cli.runtime.generation import Generation
 
 from conftest import tiny_model
 
@@ -33,7 +33,10 @@ def masked_reference(model, tokens: list[int], prompt_len: int, evicted_by_step:
     mask = torch.zeros(1, 1, total, total).masked_fill(~visible, float("-inf"))
     with torch.no_grad():
         out = model(
-            input_ids=torch.tensor([tokens]), attention_mask=mask, position_ids=torch.arange(total).unsqueeze(0), use_cache=False
+            input_ids=torch.tensor([tokens]),
+            attention_mask=mask,
+            position_ids=torch.arange(total).unsqueeze(0),
+            use_cache=False,
         )
     return out.logits[0, prompt_len - 1 : prompt_len - 1 + len(evicted_by_step)]
 
@@ -61,7 +64,9 @@ def test_logits_equal_a_masked_full_forward(arch, spec, tokenizer):
     small_recent = (("recent", "0.25"), ("keep", "global")) if policy == "epikv2" else ()
     settings = CacheSettings(budget=budget_for(policy, prompt_len), policy=policy, options=small_recent + options)
     new_tokens = NEW + POLICIES[policy].slack  # R-KV compresses only after K + 128 entries
-    run = Generation(model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True), keep_logits=True)
+    run = Generation(
+        model, tokenizer, ids, settings, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True), keep_logits=True
+    )
     events = list(run)
     evicted = [event.evicted for event in events]
     assert sum(map(len, evicted)) > 20  # eviction really happened

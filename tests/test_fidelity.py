@@ -6,18 +6,18 @@ import json
 
 import pytest
 import torch
+from test_exactness import masked_reference
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
-from epikv_cli.runtime.stream import CacheStream
-from epikv_cli.errors import UsageError
 from epikv_cli.cli.fidelity import BudgetSpec, Config, repeated_ngram_share, replay
-from epikv_cli.data.problems import load_problems, protocol_ids
 from epikv_cli.config import CacheSettings
+from epikv_cli.data.problems import load_problems, protocol_ids
+from epikv_cli.errors import UsageError
+from epikv_cli.runtime.stream import CacheStream
 
 from conftest import tiny_model
-from test_exactness import masked_reference
 
 MODEL = tiny_model("llama", seed=6)
 runner = CliRunner()
@@ -81,7 +81,9 @@ def test_budgets_parse_and_resolve():
 
 def test_a_budget_too_small_for_a_prompt_is_that_configs_error():
     ids = torch.randint(0, 256, (1, 40))
-    _, results = replay(MODEL, ids, [Config("epikv", BudgetSpec.parse("+4")), Config("streaming", BudgetSpec.parse("+4"))], 10)
+    _, results = replay(
+        MODEL, ids, [Config("epikv", BudgetSpec.parse("+4")), Config("streaming", BudgetSpec.parse("+4"))], 10
+    )
     assert "use --budget" in results[0]["error"] and "kl_all" not in results[0]
     assert results[1]["kl_all"] >= 0 and "error" not in results[1]
 
@@ -93,7 +95,10 @@ def dataset(tmp_path, rows):
 
 
 def test_problems_from_datasets(tmp_path):
-    path = dataset(tmp_path, [{"problem": "p1", "answer": 3.0}, {"question": "q2", "answer": "#### 5"}, {"problem": "p3", "id": "x"}])
+    path = dataset(
+        tmp_path,
+        [{"problem": "p1", "answer": 3.0}, {"question": "q2", "answer": "#### 5"}, {"problem": "p3", "id": "x"}],
+    )
     problems = load_problems(path)
     assert [(p.id, p.prompt, p.answer) for p in problems] == [(1, "p1", "3"), (2, "q2", "#### 5"), ("x", "p3", None)]
     assert [p.prompt for p in load_problems(path, limit=1, offset=1)] == ["q2"]
@@ -106,14 +111,41 @@ def test_problems_from_datasets(tmp_path):
 def test_cli_json_resume_and_output(tiny_model_dir, tmp_path):
     path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}, {"problem": "Say hi."}])
     out = tmp_path / "fid.jsonl"
-    args = ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "--policies", "streaming,epikv",
-            "--budgets", "+40,64", "-n", "24", "--output", str(out), "--json", "-q"]
+    args = [
+        "fidelity",
+        "--model",
+        str(tiny_model_dir),
+        "--prompts",
+        str(path),
+        "--policies",
+        "streaming,epikv",
+        "--budgets",
+        "+40,64",
+        "-n",
+        "24",
+        "--output",
+        str(out),
+        "--json",
+        "-q",
+    ]
     first = runner.invoke(app, [*args, "--limit", "2"])
     assert first.exit_code == 0, first.stderr
     data = json.loads(first.stdout)
     assert (data["new_tokens"], data["prompts"]) == (24, 2)
-    assert [(r["policy"], r["budget"]) for r in data["results"]] == [("streaming", "+40"), ("streaming", "64"), ("epikv", "+40"), ("epikv", "64")]
-    assert set(data["results"][0]) >= {"kl_after_full", "kl_all", "top1_after_full", "top1_all", "perplexity", "kept_age"}
+    assert [(r["policy"], r["budget"]) for r in data["results"]] == [
+        ("streaming", "+40"),
+        ("streaming", "64"),
+        ("epikv", "+40"),
+        ("epikv", "64"),
+    ]
+    assert set(data["results"][0]) >= {
+        "kl_after_full",
+        "kl_all",
+        "top1_after_full",
+        "top1_all",
+        "perplexity",
+        "kept_age",
+    }
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["id"] for line in lines] == [1, 2]
     # each line says how repetitive its reference is: recomputed from the same greedy reference
@@ -130,8 +162,26 @@ def test_cli_json_resume_and_output(tiny_model_dir, tmp_path):
 def test_cli_trace_writes_the_reference_and_each_positions_kl(tiny_model_dir, tmp_path):
     path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}])
     out = tmp_path / "trace.jsonl"
-    result = runner.invoke(app, ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "--policies", "streaming,epikv2",
-                                 "--budgets", "+8", "-n", "20", "--trace", "--output", str(out), "-q"])
+    result = runner.invoke(
+        app,
+        [
+            "fidelity",
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            str(path),
+            "--policies",
+            "streaming,epikv2",
+            "--budgets",
+            "+8",
+            "-n",
+            "20",
+            "--trace",
+            "--output",
+            str(out),
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     record = json.loads(out.read_text())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -159,7 +209,9 @@ def test_cli_trace_writes_the_reference_and_each_positions_kl(tiny_model_dir, tm
 def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}])
     result = runner.invoke(app, ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "-n", "8", *args])
-    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr
+    )
 
 
 def test_cache_settings_for_relative_budgets():

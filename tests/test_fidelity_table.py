@@ -24,11 +24,27 @@ def write(path: Path, records) -> Path:
 
 
 def test_a_prompt_one_policy_could_not_run_leaves_that_budgets_mean(tmp_path):
-    a = record("a", [("streaming", "+64", {"kl_after_full": 0.1}), ("h2o", "+64", {"kl_after_full": 0.3}),
-                     ("streaming", "+128", {"kl_after_full": 0.02}), ("h2o", "+128", {"kl_after_full": 0.04})])
-    b = record("b", [("streaming", "+64", {"kl_after_full": 0.5}), ("h2o", "+64", {"error": "budget too small"}),
-                     ("streaming", "+128", {"kl_after_full": 0.06}), ("h2o", "+128", {"kl_after_full": 0.08})])
-    records = fidelity_table.load([write(tmp_path / "one.jsonl", [a]), write(tmp_path / "two.jsonl", [b, {"id": "c", "error": "x"}])])
+    a = record(
+        "a",
+        [
+            ("streaming", "+64", {"kl_after_full": 0.1}),
+            ("h2o", "+64", {"kl_after_full": 0.3}),
+            ("streaming", "+128", {"kl_after_full": 0.02}),
+            ("h2o", "+128", {"kl_after_full": 0.04}),
+        ],
+    )
+    b = record(
+        "b",
+        [
+            ("streaming", "+64", {"kl_after_full": 0.5}),
+            ("h2o", "+64", {"error": "budget too small"}),
+            ("streaming", "+128", {"kl_after_full": 0.06}),
+            ("h2o", "+128", {"kl_after_full": 0.08}),
+        ],
+    )
+    records = fidelity_table.load(
+        [write(tmp_path / "one.jsonl", [a]), write(tmp_path / "two.jsonl", [b, {"id": "c", "error": "x"}])]
+    )
     text = fidelity_table.table(records, ["streaming", "h2o"], ["+64", "+128"], ["kl_after_full"])
     lines = text.splitlines()
     # +64: only prompt a counts (h2o failed on b), so streaming's mean is 0.1, not (0.1 + 0.5) / 2
@@ -44,15 +60,38 @@ def test_a_prompt_given_twice_is_refused(tmp_path):
 
 
 def test_wins_count_prompts_strictly_below_the_reference_among_those_both_ran(tmp_path):
-    a = record("a", [("streaming", "+64", {"kl_after_full": 0.1}), ("epikv2", "+64", {"kl_after_full": 0.05}),
-                     ("h2o", "+64", {"kl_after_full": 0.1})])
-    b = record("b", [("streaming", "+64", {"kl_after_full": 0.2}), ("epikv2", "+64", {"kl_after_full": 0.3}),
-                     ("h2o", "+64", {"error": "budget too small"})])
-    c = record("c", [("streaming", "+64", {"kl_after_full": 0.4}), ("epikv2", "+64", {"kl_after_full": 0.1}),
-                     ("h2o", "+64", {"kl_after_full": 0.3})])
+    a = record(
+        "a",
+        [
+            ("streaming", "+64", {"kl_after_full": 0.1}),
+            ("epikv2", "+64", {"kl_after_full": 0.05}),
+            ("h2o", "+64", {"kl_after_full": 0.1}),
+        ],
+    )
+    b = record(
+        "b",
+        [
+            ("streaming", "+64", {"kl_after_full": 0.2}),
+            ("epikv2", "+64", {"kl_after_full": 0.3}),
+            ("h2o", "+64", {"error": "budget too small"}),
+        ],
+    )
+    c = record(
+        "c",
+        [
+            ("streaming", "+64", {"kl_after_full": 0.4}),
+            ("epikv2", "+64", {"kl_after_full": 0.1}),
+            ("h2o", "+64", {"kl_after_full": 0.3}),
+        ],
+    )
     text = fidelity_table.wins([a, b, c], ["streaming", "epikv2", "h2o"], ["+64"], "streaming")
     # epikv2 is below on a and c (not b); h2o ties on a, is below on c, and did not run b
-    assert text.splitlines() == ["| policy | below `streaming` +64 |", "|---|---:|", "| `epikv2` | 2 / 3 |", "| `h2o` | 1 / 2 |"]
+    assert text.splitlines() == [
+        "| policy | below `streaming` +64 |",
+        "|---|---:|",
+        "| `epikv2` | 2 / 3 |",
+        "| `h2o` | 1 / 2 |",
+    ]
 
 
 def test_wins_against_a_policy_not_in_the_files_is_refused(tmp_path, capsys):
@@ -63,7 +102,9 @@ def test_wins_against_a_policy_not_in_the_files_is_refused(tmp_path, capsys):
 
 def test_the_references_repetition_is_summarised_when_recorded(tmp_path):
     rows = [("streaming", "+64", {"kl_after_full": 0.1})]
-    records = [{**record(name, rows), "reference_repeats": share} for name, share in (("a", 0.2), ("b", 0.9), ("c", 0.4))]
+    records = [
+        {**record(name, rows), "reference_repeats": share} for name, share in (("a", 0.2), ("b", 0.9), ("c", 0.4))
+    ]
     line = fidelity_table.repetition(records)
     assert line.endswith("mean 0.500, median 0.400, from 0.200 to 0.900 over 3 prompts.")
     assert fidelity_table.repetition([record("a", rows)]) is None  # files written before the field existed

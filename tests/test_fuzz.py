@@ -14,7 +14,9 @@ from epikv_cli.policies.registry import POLICIES
 
 runner = CliRunner()
 FUZZ = settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")),  # more on demand: FUZZ_EXAMPLES=1000 pytest tests/test_fuzz.py
+    max_examples=int(
+        os.environ.get("FUZZ_EXAMPLES", "60")
+    ),  # more on demand: FUZZ_EXAMPLES=1000 pytest tests/test_fuzz.py
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
@@ -25,14 +27,18 @@ def mostly(valid, bad):
     return st.integers(0, 5).flatmap(lambda i: bad if i == 0 else valid)
 
 
-text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from(["\udce9", "\udcff"]), max_size=12)
+text = st.text(
+    st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from(["\udce9", "\udcff"]), max_size=12
+)
 unusable_floats = st.sampled_from([float("nan"), float("inf"), -float("inf"), -1.0, 1e308])
 
 OPTIONS = {
     "--budget": mostly(st.integers(8, 120), st.sampled_from([-3, 0, 1, 10**12, "x", "1e3"])),
     "--policy": mostly(st.sampled_from(sorted(POLICIES)), st.just("h2o")),
     "--recent": mostly(st.integers(0, 40), st.sampled_from([-2, 10**6, "abc"])),
-    "--bands": mostly(st.sampled_from(["0:+1,3:-1", "2:-1", "1:-1.0"]), st.sampled_from(["1:+2", "9:+1", "x", "0:+1,0:-1"])),
+    "--bands": mostly(
+        st.sampled_from(["0:+1,3:-1", "2:-1", "1:-1.0"]), st.sampled_from(["1:+2", "9:+1", "x", "0:+1,0:-1"])
+    ),
     "--positions": mostly(st.sampled_from(["logical", "compressed"]), st.just("absolute")),
     "--max-new-tokens": mostly(st.integers(1, 5), st.sampled_from([-1, 0, "many"])),
     "--temperature": mostly(st.floats(0, 2), unusable_floats),
@@ -42,7 +48,9 @@ OPTIONS = {
     "--stop": text,
     "--system": text,
     "--spike-threshold": mostly(st.floats(-5, 5), unusable_floats),
-    "--device-map": mostly(st.sampled_from(["auto", "cpu", "sequential"]), st.sampled_from(["cuda", "cuda:3", "mps", "tpu"])),
+    "--device-map": mostly(
+        st.sampled_from(["auto", "cpu", "sequential"]), st.sampled_from(["cuda", "cuda:3", "mps", "tpu"])
+    ),
     "--dtype": mostly(st.sampled_from(["auto", "float32", "bfloat16"]), st.just("int4")),
     "--attn": mostly(st.sampled_from(["auto", "sdpa", "eager"]), st.sampled_from(["flash_attention_2", "fast"])),
 }
@@ -83,10 +91,25 @@ def test_generate_options(tiny_model_dir, command):
 
 
 SETTING_VALUES = st.one_of(
-    st.integers(-3, 60), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(), text,
+    st.integers(-3, 60),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    text,
     st.lists(st.text(max_size=3), max_size=2),
 )
-LINE_KEYS = ["max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "budget", "recent", "bogus"]
+LINE_KEYS = [
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "budget",
+    "recent",
+    "bogus",
+]
 
 
 @st.composite
@@ -94,9 +117,13 @@ def prompt_line(draw):
     """One non-blank line of a prompt file, as bytes."""
     kind = draw(st.sampled_from(["json", "json", "messages", "text", "bad json", "not utf8", "array"]))
     if kind in ("json", "messages"):
-        data = {"prompt": draw(text) or "x"} if kind == "json" else {"messages": [{"role": "user", "content": draw(text)}]}
+        data = (
+            {"prompt": draw(text) or "x"} if kind == "json" else {"messages": [{"role": "user", "content": draw(text)}]}
+        )
         if draw(st.booleans()):
-            data["id"] = draw(st.one_of(st.integers(1000, 10**9), st.text(min_size=6, max_size=10), st.booleans(), st.none()))
+            data["id"] = draw(
+                st.one_of(st.integers(1000, 10**9), st.text(min_size=6, max_size=10), st.booleans(), st.none())
+            )
         for key in draw(st.lists(st.sampled_from(LINE_KEYS), max_size=3, unique=True)):
             data[key] = draw(SETTING_VALUES)
         return json.dumps(data).encode()
@@ -119,7 +146,20 @@ def test_batch_lines(tiny_model_dir, tmp_path_factory, lines, suffix):
     prompts = folder / f"p{suffix}"
     prompts.write_bytes(b"\n".join(lines) + b"\n")
     out = folder / "out.jsonl"
-    args = ["generate", "--model", str(tiny_model_dir), "-n", "2", "-b", "64", "-q", "--prompts", str(prompts), "-o", str(out)]
+    args = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-n",
+        "2",
+        "-b",
+        "64",
+        "-q",
+        "--prompts",
+        str(prompts),
+        "-o",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert_no_traceback(result)
     expected = [number for number, line in enumerate(lines, 1) if line.strip()]

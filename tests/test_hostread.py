@@ -11,17 +11,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.core.hostread import host_copies
+from epikv_cli.policies.registry import parse_policy_spec
 from epikv_cli.runtime.batched import BatchDecoder
 from epikv_cli.runtime.batchgen import BatchedGeneration, Request
 from epikv_cli.runtime.generation import Generation
-from epikv_cli.core.hostread import host_copies
-from epikv_cli.policies.registry import parse_policy_spec
-from epikv_cli.config import CacheSettings, SamplingSettings
 
 from conftest import tiny_model
 
-READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-         torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+READS = {
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
 
 
 class OnDevice(torch.Tensor):
@@ -41,7 +49,11 @@ class OnDevice(torch.Tensor):
 
 
 def test_host_copies_round_trip_every_dtype_exactly():
-    tensors = [torch.tensor([3, 50000]), torch.tensor([[0.1, -2.5]], dtype=torch.float32), torch.tensor([1.5], dtype=torch.bfloat16)]
+    tensors = [
+        torch.tensor([3, 50000]),
+        torch.tensor([[0.1, -2.5]], dtype=torch.float32),
+        torch.tensor([1.5], dtype=torch.bfloat16),
+    ]
     copies = host_copies(tensors)
     assert [c.shape for c in copies] == [t.shape for t in tensors]
     assert all(torch.equal(c, t.double()) for c, t in zip(copies, tensors))
@@ -60,7 +72,16 @@ def counted_model():
         hook.remove()
 
 
-POLICIES_READING_THE_DEVICE = ["epikv", "knorm", "h2o", "tova", "epikv2", "streaming", "random", "lagkv:chunks=positions"]
+POLICIES_READING_THE_DEVICE = [
+    "epikv",
+    "knorm",
+    "h2o",
+    "tova",
+    "epikv2",
+    "streaming",
+    "random",
+    "lagkv:chunks=positions",
+]
 
 
 @pytest.mark.parametrize("policy", POLICIES_READING_THE_DEVICE)
@@ -69,8 +90,13 @@ def test_a_decoding_step_reads_the_device_once(counted_model, tokenizer, policy)
     name, options = parse_policy_spec(policy)
     budget = 30 if name in ("epikv", "knorm", "lagkv") else 20
     steps = 60
-    run = Generation(counted_model, tokenizer, ids, CacheSettings(budget=budget, policy=name, options=options),
-                     SamplingSettings(max_new_tokens=steps, ignore_eos=True))
+    run = Generation(
+        counted_model,
+        tokenizer,
+        ids,
+        CacheSettings(budget=budget, policy=name, options=options),
+        SamplingSettings(max_new_tokens=steps, ignore_eos=True),
+    )
     reads = []
     for event in run:
         reads.append(OnDevice.reads)
@@ -80,7 +106,10 @@ def test_a_decoding_step_reads_the_device_once(counted_model, tokenizer, policy)
 
 
 def test_a_batched_step_reads_the_device_once_for_every_row(counted_model, tokenizer, monkeypatch):
-    prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)).as_subclass(OnDevice) for n in (7, 12, 9)]
+    prompts = [
+        torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)).as_subclass(OnDevice)
+        for n in (7, 12, 9)
+    ]
     settings = [CacheSettings(budget=24, policy=p) for p in ("epikv", "h2o", "epikv2")]
     sampling = SamplingSettings(max_new_tokens=50, ignore_eos=True)
     requests = [Request(i, ids, s, sampling) for i, (ids, s) in enumerate(zip(prompts, settings))]

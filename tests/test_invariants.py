@@ -6,13 +6,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.policies.registry import POLICIES, make_policy, parse_policy_spec
+from epikv_cli.config import CacheSettings, SamplingSettings
 from epikv_cli.policies.baselines import Streaming
 from epikv_cli.policies.epikv2 import EpiKV2
 from epikv_cli.policies.h2o import H2O
+from epikv_cli.policies.registry import POLICIES, make_policy, parse_policy_spec
 from epikv_cli.policies.rkv import RKV
-from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.runtime.generation import Generation
 
 from conftest import tiny_model
 

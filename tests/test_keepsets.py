@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from epikv_cli.runtime.stream import CacheStream
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.errors import UsageError
+from epikv_cli.config import CacheSettings, SamplingSettings
 from epikv_cli.core.keepsets import HeadSlots, gone_positions, order_keys
-from epikv_cli.policies.registry import make_policy
+from epikv_cli.errors import UsageError
 from epikv_cli.policies import epikv2
 from epikv_cli.policies.epikv2 import EpiKV2, received_by_head, received_by_layers
-from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.generation import Generation
+from epikv_cli.runtime.stream import CacheStream
 
 from conftest import tiny_model
 
@@ -125,14 +125,17 @@ def test_received_by_head_by_hand():
     # the key at position 6 comes after the query: hidden; the two heads' softmaxes over the others mirror
     # each other ([e, 1] / (e + 1) and [1, e] / (e + 1)), so their mean is a half each
     assert torch.allclose(got, torch.tensor([[0.5, 0.5, 0.0]]))
-    two = received_by_head(queries, keys.expand(2, 3, 2), torch.tensor([5]), torch.tensor([[1, 2, 3], [1, 2, 3]]), scaling=1.0)
+    two = received_by_head(
+        queries, keys.expand(2, 3, 2), torch.tensor([5]), torch.tensor([[1, 2, 3], [1, 2, 3]]), scaling=1.0
+    )
     e = torch.softmax(torch.tensor([1.0, 0.0, 1.0]), 0)  # with 2 KV heads each query head reads its own
     assert torch.allclose(two, torch.stack([e, e[[1, 0, 2]]]))
 
 
 def test_received_by_head_equals_a_dense_causal_softmax():
     """The causal mask is applied to each head's newest keys alone; against a softmax per query over every key,
-    masked where the key is newer (queries at the newest positions, keys in shuffled slots, 3 query heads per KV head)."""
+    masked where the key is newer (queries at the newest positions, keys in shuffled slots, 3 query heads per KV
+    head)."""
     generator = torch.Generator().manual_seed(0)
     for width, stored in ((1, 5), (4, 4), (16, 40), (8, 300)):
         seen = stored + 50
@@ -140,10 +143,14 @@ def test_received_by_head_equals_a_dense_causal_softmax():
         keys = torch.randn(2, stored, 8, generator=generator)
         query_positions = torch.arange(seen - width, seen)
         # each KV head holds its own tokens: the newest `width` (the queries' own) and older ones, in any slot order
-        key_positions = torch.stack([
-            torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[torch.randperm(stored, generator=generator)]
-            for _ in range(2)
-        ])
+        key_positions = torch.stack(
+            [
+                torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[
+                    torch.randperm(stored, generator=generator)
+                ]
+                for _ in range(2)
+            ]
+        )
         expected = torch.zeros(2, stored)
         for kv in range(2):
             for head in range(3 * kv, 3 * kv + 3):
@@ -157,11 +164,18 @@ def test_received_by_head_equals_a_dense_causal_softmax():
         low = received_by_head(queries.bfloat16(), keys.bfloat16(), query_positions, key_positions, scaling=0.3)
         assert low.dtype == torch.float32
         assert torch.allclose(low, expected, atol=1e-2), (width, stored)
-        assert torch.allclose(low.sum(dim=-1), torch.full((2,), float(width)), atol=1e-4)  # each query's weights sum to 1
+        assert torch.allclose(
+            low.sum(dim=-1), torch.full((2,), float(width)), atol=1e-4
+        )  # each query's weights sum to 1
 
 
 def test_granular_options_are_checked():
-    for options in ((("keep", "rows"),), (("keep", "global"), ("adapt", "1")), (("credit", "mean"),), (("keep", "head"), ("signal", "epiphany"))):
+    for options in (
+        (("keep", "rows"),),
+        (("keep", "global"), ("adapt", "1")),
+        (("credit", "mean"),),
+        (("keep", "head"), ("signal", "epiphany")),
+    ):
         with pytest.raises(UsageError, match="epikv2"):
             make_policy(CacheSettings(budget=64, policy="epikv2", options=options))
     assert make_policy(CacheSettings(budget=64, policy="epikv2")).keep == "head"  # the default
@@ -171,14 +185,18 @@ def test_granular_options_are_checked():
         assert make_policy(CacheSettings(budget=64, policy="epikv2", options=options)).copy == 0
         with pytest.raises(UsageError, match="option copy needs"):
             make_policy(CacheSettings(budget=64, policy="epikv2", options=(*options, ("copy", "0.3"))))
-    assert not make_policy(CacheSettings(budget=64, policy="epikv2", options=(("keep", "global"), ("signal", "epiphany")))).granular
+    assert not make_policy(
+        CacheSettings(budget=64, policy="epikv2", options=(("keep", "global"), ("signal", "epiphany")))
+    ).granular
 
 
 def test_adaptive_window_moves_towards_what_is_attended():
     policy = EpiKV2(64, keep="head", adapt=1)
     policy._recent_by_layer = torch.tensor([48, 48])
     seen = 100
-    positions = torch.cat([torch.arange(4), torch.arange(40, 52), torch.arange(52, 100)]).expand(2, 1, 64)  # sinks, 12 heavy, 48 recent
+    positions = torch.cat([torch.arange(4), torch.arange(40, 52), torch.arange(52, 100)]).expand(
+        2, 1, 64
+    )  # sinks, 12 heavy, 48 recent
     received = torch.zeros(2, 1, 64)
     received[0, 0, 4:16] = 1.0  # layer 0: the heavy hitters are attended
     received[1, 0, 16:28] = 1.0  # layer 1: the oldest recent tokens are
@@ -219,7 +237,13 @@ SHAPES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama-mqa": ("llama",
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize(
-    "options", [(("keep", "head"),), (("keep", "layer"),), (("keep", "head"), ("adapt", "1")), (("copy", "0.3"), ("copyweight", "0"))],
+    "options",
+    [
+        (("keep", "head"),),
+        (("keep", "layer"),),
+        (("keep", "head"), ("adapt", "1")),
+        (("copy", "0.3"), ("copyweight", "0")),
+    ],
 )
 def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, options):
     """Each step's logits equal one forward over the whole sequence in which every (layer, KV head) hides,
@@ -260,7 +284,9 @@ def test_granular_logits_equal_a_full_forward_masked_per_layer_and_head(shape, o
     model.set_attn_implementation("epikv_test_masked_per_head")
     try:
         with torch.no_grad():
-            reference = model(input_ids=torch.tensor([tokens[:total]]), position_ids=torch.arange(total)[None]).logits[0, prompt_len - 1 :]
+            reference = model(input_ids=torch.tensor([tokens[:total]]), position_ids=torch.arange(total)[None]).logits[
+                0, prompt_len - 1 :
+            ]
     finally:
         model.set_attn_implementation(base)
         MASKS.clear()
@@ -273,7 +299,10 @@ MODEL = tiny_model("qwen2", seed=7, initializer_range=0.15)
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    prompt_len=st.integers(1, 40), extra=st.integers(0, 30), new_tokens=st.integers(1, 120), adapt=st.sampled_from(["0", "1"]),
+    prompt_len=st.integers(1, 40),
+    extra=st.integers(0, 30),
+    new_tokens=st.integers(1, 120),
+    adapt=st.sampled_from(["0", "1"]),
     keep=st.sampled_from(["head", "layer"]),
 )
 def test_granular_budget_invariants(prompt_len, extra, new_tokens, adapt, keep):
@@ -392,7 +421,10 @@ def test_generation_reads_the_victims_with_the_token(tokenizer):
 @pytest.mark.parametrize(
     "options",
     [
-        (("period", "4"),), (("period", "4"), ("adapt", "1")), (("recent", "0.5"),), (("period", "4"), ("copy", "0.05"), ("copyweight", "0")),
+        (("period", "4"),),
+        (("period", "4"), ("adapt", "1")),
+        (("recent", "0.5"),),
+        (("period", "4"), ("copy", "0.05"), ("copyweight", "0")),
         (("period", "4"), ("copy", "0.05"), ("copyweight", "0"), ("loop", "4")),
     ],
 )
@@ -408,7 +440,17 @@ def test_the_short_list_picks_what_a_search_of_all_k_picks(monkeypatch, options)
             out = stream.feed(ids)
             for _ in range(120):
                 out = stream.feed(out.argmax().view(1, 1))
-                held.append(sorted(map(tuple, stream.cache.head_slots.held(stream.cache.stored).sort(dim=-1).values.flatten(0, 1).tolist())))
+                held.append(
+                    sorted(
+                        map(
+                            tuple,
+                            stream.cache.head_slots.held(stream.cache.stored)
+                            .sort(dim=-1)
+                            .values.flatten(0, 1)
+                            .tolist(),
+                        )
+                    )
+                )
                 gone.append(stream.session.last.evicted)
         return held, gone
 
@@ -431,13 +473,19 @@ def test_received_by_layers_equals_each_layers_dense_causal_softmax(monkeypatch,
     keys = [torch.randn(2, stored, 8, generator=generator) for _ in range(layers)]
     values = [torch.randn(2, stored, 8, generator=generator) for _ in range(layers)]
     query_positions = torch.arange(seen - width, seen)
-    key_positions = torch.stack([
-        torch.stack([
-            torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[torch.randperm(stored, generator=generator)]
-            for _ in range(2)
-        ])
-        for _ in range(layers)
-    ])
+    key_positions = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.cat([torch.randperm(seen - width, generator=generator)[: stored - width], query_positions])[
+                        torch.randperm(stored, generator=generator)
+                    ]
+                    for _ in range(2)
+                ]
+            )
+            for _ in range(layers)
+        ]
+    )
     scaling = [0.3, None, 0.5]
     for weighted in (False, True):
         expected = torch.zeros(layers, 2, stored)
@@ -485,8 +533,12 @@ def test_order_keys_sort_like_score_then_position():
     """One integer per slot whose order is (score, position): negative, zero, tiny and huge scores, and ties
     broken by the older position, against Python's tuple sort."""
     generator = torch.Generator().manual_seed(11)
-    scores = torch.cat([torch.randn(40, generator=generator) * 1e3, torch.tensor([0.0, 0.0, 1e-40, -1e-40, 3.5, 3.5, -2.0, -2.0,
-                        float("inf"), -float("inf"), 1e30, -1e30])])
+    scores = torch.cat(
+        [
+            torch.randn(40, generator=generator) * 1e3,
+            torch.tensor([0.0, 0.0, 1e-40, -1e-40, 3.5, 3.5, -2.0, -2.0, float("inf"), -float("inf"), 1e30, -1e30]),
+        ]
+    )
     positions = torch.randperm(scores.numel(), generator=generator) * 1000 + 7
     keys = order_keys(scores, positions)
     expected = sorted(range(scores.numel()), key=lambda i: (float(scores[i]), int(positions[i])))
@@ -521,7 +573,9 @@ def test_a_refresh_adds_the_attention_of_the_newest_queries(queries):
 
     def received(end: int) -> torch.Tensor:
         """[layers, kv_heads, end]: attention from the `width` positions before `end`, summed, mean over each group."""
-        rows = torch.stack([layer[0, :, end - width : end, :end].sum(dim=1) for layer in attentions])  # [layers, heads, end]
+        rows = torch.stack(
+            [layer[0, :, end - width : end, :end].sum(dim=1) for layer in attentions]
+        )  # [layers, heads, end]
         return rows.view(rows.shape[0], kv_heads, -1, end).mean(dim=2)
 
     assert torch.allclose(after_prefill, received(prompt_len), atol=1e-5)
@@ -539,7 +593,9 @@ def test_refresh_writes_its_logits_into_reused_buffers_without_changing_results(
     def inputs(n):
         queries = [torch.randn(4, 8, 16, generator=generator) for _ in range(3)]
         keys = [torch.randn(2, n, 16, generator=generator) for _ in range(3)]
-        positions = torch.stack([torch.stack([torch.randperm(n, generator=generator) for _ in range(2)]) for _ in range(3)])
+        positions = torch.stack(
+            [torch.stack([torch.randperm(n, generator=generator) for _ in range(2)]) for _ in range(3)]
+        )
         return queries, keys, torch.arange(n - 8, n), positions, [None] * 3
 
     cases = [inputs(n) for n in (300, 40, 300, 120)]

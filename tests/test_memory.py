@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.core.memory import peak_memory, reset_peak
+from epikv_cli.runtime.generation import Generation
 
 from conftest import tiny_model
 
@@ -42,7 +42,9 @@ def test_generation_reports_its_own_phases_not_the_process_peak(tokenizer):
     lifetime = high_water_mark()
     del ballast
     ids = torch.randint(0, 256, (1, 20))
-    run = Generation(MODEL, tokenizer, ids, CacheSettings(budget=32), SamplingSettings(max_new_tokens=30, ignore_eos=True))
+    run = Generation(
+        MODEL, tokenizer, ids, CacheSettings(budget=32), SamplingSettings(max_new_tokens=30, ignore_eos=True)
+    )
     list(run)
     result = run.result
     assert result.peak_memory_kind == "process_rss"
@@ -100,6 +102,14 @@ def test_a_generation_starts_after_the_last_ones_cache_is_gone(tokenizer, monkey
     monkeypatch.setattr(engine, "reset_peak", checking_reset)
     for seed in range(3):
         ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(seed))
-        list(Generation(MODEL, tokenizer, ids, CacheSettings(budget=None, policy="full"), SamplingSettings(max_new_tokens=5, ignore_eos=True)))
+        list(
+            Generation(
+                MODEL,
+                tokenizer,
+                ids,
+                CacheSettings(budget=None, policy="full"),
+                SamplingSettings(max_new_tokens=5, ignore_eos=True),
+            )
+        )
     # each generation resets at its start (no earlier cache alive) and after its prefill (its own)
     assert alive_at_start == [0, 1] * 3

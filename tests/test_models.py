@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epikv_cli.config import ModelSettings
 from epikv_cli.errors import ModelLoadError, UsageError
 from epikv_cli.models.loading import choose_attn, load, resolve_source
-from epikv_cli.config import ModelSettings
 
 
 def test_resolve_directory(tiny_model_dir):
@@ -63,13 +63,17 @@ def test_load_local_directory(tiny_model_dir):
     ],
 )
 def test_choose_attn(requested, on_cuda, flash, model_type, dtype, expected):
-    assert choose_attn(requested, on_cuda=on_cuda, flash_available=flash, model_type=model_type, dtype=dtype) == expected
+    assert (
+        choose_attn(requested, on_cuda=on_cuda, flash_available=flash, model_type=model_type, dtype=dtype) == expected
+    )
 
 
 @pytest.mark.parametrize("on_cuda, flash", [(False, True), (True, False)])
 def test_forcing_flash_attention_without_it_is_a_usage_error(on_cuda, flash):
     with pytest.raises(UsageError, match="flash-attn"):
-        choose_attn("flash_attention_2", on_cuda=on_cuda, flash_available=flash, model_type="llama", dtype=torch.bfloat16)
+        choose_attn(
+            "flash_attention_2", on_cuda=on_cuda, flash_available=flash, model_type="llama", dtype=torch.bfloat16
+        )
 
 
 def test_unknown_attn_is_a_usage_error():
@@ -81,8 +85,9 @@ def test_a_compiled_forward_runs_the_hooks_of_sessions_attached_after_it_was_tra
     """The first compile traced a forward without hidden-state taps (streaming needs none); epikv then hooks
     the decoder blocks. Its hooks must run (the graph recompiles), giving the tokens of the plain forward."""
     import epikv_cli
-    from conftest import tiny_model
     from epikv_cli.models.loading import compile_forward
+
+    from conftest import tiny_model
 
     model = tiny_model("llama", seed=5)
     ids = torch.arange(3, 13).unsqueeze(0)
@@ -109,8 +114,9 @@ def test_a_compiled_forward_compiles_as_often_for_a_long_generation_as_for_a_sho
     from torch._dynamo.utils import counters
 
     import epikv_cli
-    from conftest import tiny_model
     from epikv_cli.models.loading import compile_forward
+
+    from conftest import tiny_model
 
     ids = torch.arange(3, 13).unsqueeze(0)
     compiled = {}
@@ -120,7 +126,9 @@ def test_a_compiled_forward_compiles_as_often_for_a_long_generation_as_for_a_sho
         model = tiny_model("llama", seed=5)
         compile_forward(model)
         with epikv_cli.attach(model, budget=60, policy="epikv2") as cache:
-            model.generate(ids, cache=cache, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                ids, cache=cache, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason]
         compiled[new_tokens] = counters["frames"]["total"]
     torch._dynamo.reset()

@@ -7,18 +7,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import POLICIES, make_policy
 from epikv_cli.policies.base import evictable_mask, lowest
 from epikv_cli.policies.baselines import RandomEviction, Streaming
 from epikv_cli.policies.epikv import EpiKV
-from epikv_cli.config import CacheSettings
+from epikv_cli.policies.registry import POLICIES, make_policy
 
 
 def fake_cache(positions, prompt_len, seen):
     """What policies read of a cache: slots hold ``positions`` (scrambled orders allowed)."""
-    return SimpleNamespace(live_positions=lambda: torch.tensor(positions), prompt_len=prompt_len, seen=seen,
-                           slots_of=lambda wanted: [positions.index(p) for p in wanted])
+    return SimpleNamespace(
+        live_positions=lambda: torch.tensor(positions),
+        prompt_len=prompt_len,
+        seen=seen,
+        slots_of=lambda wanted: [positions.index(p) for p in wanted],
+    )
 
 
 def test_evictable_excludes_prompt_and_recent_window():

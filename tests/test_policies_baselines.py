@@ -8,16 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from epikv_cli.config import CacheSettings
 from epikv_cli.core.attention import AttentionRecord
 from epikv_cli.core.cache import BudgetCache
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import make_policy
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.h2o import H2O
 from epikv_cli.policies.knorm import KeyNorm
+from epikv_cli.policies.registry import make_policy
 from epikv_cli.policies.rkv import importance, redundancy
 from epikv_cli.policies.tova import TOVA
-from epikv_cli.config import CacheSettings
 
 from conftest import ARCHITECTURES
 
@@ -25,8 +25,12 @@ from conftest import ARCHITECTURES
 def fake_cache(positions, seen, prompt_len=0):
     """What policies read of a cache: slots hold ``positions`` (scrambled orders allowed)."""
     listed = list(positions)
-    return SimpleNamespace(live_positions=lambda: torch.tensor(listed), seen=seen, prompt_len=prompt_len,
-                           slots_of=lambda wanted: [listed.index(p) for p in wanted])
+    return SimpleNamespace(
+        live_positions=lambda: torch.tensor(listed),
+        seen=seen,
+        prompt_len=prompt_len,
+        slots_of=lambda wanted: [listed.index(p) for p in wanted],
+    )
 
 
 def record(kind, *per_layer):
@@ -37,7 +41,14 @@ def test_h2o_accumulates_received_attention_by_position_across_slot_moves():
     policy = H2O(recent=2)
     cache = fake_cache([0, 1, 2, 3, 4, 5, 6, 7], seen=8)
     # two layers; their mean is what accumulates
-    policy.observe(Signals(range(0, 8), True, attention=record("received", [0, 0, 0, 0, 4, 1, 3, 0], [0, 0, 0, 0, 2, 1, 1, 0]), cache=cache))
+    policy.observe(
+        Signals(
+            range(0, 8),
+            True,
+            attention=record("received", [0, 0, 0, 0, 4, 1, 3, 0], [0, 0, 0, 0, 2, 1, 1, 0]),
+            cache=cache,
+        )
+    )
     # slot 4 now holds position 8 (position 4's slot reused), positions otherwise in place
     cache = fake_cache([0, 1, 2, 3, 8, 5, 6, 7], seen=9)
     policy.observe(Signals(range(8, 9), False, attention=record("received", [0, 0, 0, 0, 0, 5, 0, 0]), cache=cache))
@@ -60,7 +71,9 @@ def test_h2o_default_recent_window_is_the_authors():
 def test_tova_evicts_the_least_attended_and_keeps_the_newest():
     policy = TOVA()
     cache = fake_cache([3, 0, 5, 1, 4], seen=6)  # slot order scrambled; position 5 is the newest
-    policy.observe(Signals(range(5, 6), False, attention=record("last_row", [0.1, 0.5, 0.0, 0.3, 0.1], [0.1, 0.3, 0.0, 0.1, 0.5])))
+    policy.observe(
+        Signals(range(5, 6), False, attention=record("last_row", [0.1, 0.5, 0.0, 0.3, 0.1], [0.1, 0.3, 0.0, 0.1, 0.5]))
+    )
     # means per slot: [0.1, 0.4, 0.0, 0.2, 0.3]; slot 2 (the newest) has the least but is kept
     assert policy.select(cache, 1) == [0]
     assert policy.select(cache, 2) == [0, 3]
@@ -92,14 +105,22 @@ def test_rkv_keeps_the_last_8_and_the_top_k_minus_8_of_the_mixed_score_at_each_c
     generator = torch.Generator().manual_seed(0)
     slots_to_positions = torch.randperm(n, generator=generator)  # slot s holds position slots_to_positions[s]
     by_position = [torch.randn(kv_heads, n, dim, generator=generator) for _ in range(2)]  # two layers, logical order
-    layers = [SimpleNamespace(keys=k, live=lambda k=k: (k[:, slots_to_positions].unsqueeze(0), None)) for k in by_position]
+    layers = [
+        SimpleNamespace(keys=k, live=lambda k=k: (k[:, slots_to_positions].unsqueeze(0), None)) for k in by_position
+    ]
     queries = {0: torch.randn(heads, 8, dim, generator=generator), 1: torch.randn(heads, 8, dim, generator=generator)}
-    cache = SimpleNamespace(live_positions=lambda: slots_to_positions.clone(), budget_layer_indices=[0, 1], budget_layers=layers)
+    cache = SimpleNamespace(
+        live_positions=lambda: slots_to_positions.clone(), budget_layer_indices=[0, 1], budget_layers=layers
+    )
     policy = RKV()
     policy.observe(SimpleNamespace(attention=SimpleNamespace(queries=queries, scaling={})))
-    mixed = sum(
-        (0.1 * importance(queries[i], by_position[i]) - 0.9 * redundancy(by_position[i])[:, :-8]).mean(dim=0) for i in (0, 1)
-    ) / 2  # [n - 8], positions 0 .. n - 9
+    mixed = (
+        sum(
+            (0.1 * importance(queries[i], by_position[i]) - 0.9 * redundancy(by_position[i])[:, :-8]).mean(dim=0)
+            for i in (0, 1)
+        )
+        / 2
+    )  # [n - 8], positions 0 .. n - 9
     assert policy.select(cache, 127) == []  # K + 127 stored: not yet
     chosen_slots = policy.select(cache, 130)
     chosen_positions = slots_to_positions[chosen_slots].tolist()
@@ -193,12 +214,21 @@ def test_policy_options_are_typed_and_checked():
         ((("decay", "2"),), r"option decay=2.0 is out of range: it must be above 0 and at most 1"),
         ((("decay", "nan"),), r"option decay=nan is out of range"),
         ((("period", "0"),), r"option period=0 is out of range: it must be a number of steps, 1 or more"),
-        ((("period", "8"), ("queries", "9")), r"option queries=9 is out of range: it must be a number of queries from 1 to period \(8\)"),
+        (
+            (("period", "8"), ("queries", "9")),
+            r"option queries=9 is out of range: it must be a number of queries from 1 to period \(8\)",
+        ),
         ((("queries", "0"),), r"option queries=0 is out of range"),
-        ((("recent", "1.5"),), r"option recent=1.5 is out of range: it must be a share of K .* or a whole number of tokens"),
+        (
+            (("recent", "1.5"),),
+            r"option recent=1.5 is out of range: it must be a share of K .* or a whole number of tokens",
+        ),
         ((("recent", "-1"),), r"option recent=-1.0 is out of range"),
         ((("recent", "0.995"),), r"option recent=0.995 is out of range: it must be a share of K from 0 to 0.99"),
-        ((("sinks", str(2**31)),), rf"option sinks={2**31} is out of range: it must be a number of tokens from 0 to {2**31 - 1}"),
+        (
+            (("sinks", str(2**31)),),
+            rf"option sinks={2**31} is out of range: it must be a number of tokens from 0 to {2**31 - 1}",
+        ),
         ((("pool", "4"),), r"option pool=4 is out of range: it must be an odd number"),
         ((("keep", "all"),), r"option keep='all' is out of range: it must be global, layer or head"),
         ((("adapt", "1"), ("keep", "global")), "adapt=1 needs keep=layer or keep=head"),
@@ -268,7 +298,7 @@ def far_sources_reference(queries, keys, query_positions, key_positions, eligibl
     found, weights = [], []
     for layer, (q, k) in enumerate(zip(queries, keys)):
         heads, w, dim = q.shape
-        kv_heads, n = k.shape[0], k.shape[1]
+        kv_heads = k.shape[0]
         group = heads // kv_heads
         layer_found = torch.full((kv_heads, group, w), -1)
         layer_weights = torch.zeros(kv_heads, group, w)
@@ -307,7 +337,9 @@ def test_the_refresh_finds_where_each_query_looks_among_the_far_keys():
     chunk = epikv2.REFRESH_CHUNK_BYTES["cpu"]
     epikv2.REFRESH_CHUNK_BYTES["cpu"] = 1  # one layer per chunk
     try:
-        received, sources, weights = refresh_layers(queries, keys, query_positions, positions, [None] * layers, far=eligible)
+        received, sources, weights = refresh_layers(
+            queries, keys, query_positions, positions, [None] * layers, far=eligible
+        )
     finally:
         epikv2.REFRESH_CHUNK_BYTES["cpu"] = chunk
     assert torch.equal(sources, want_sources)
@@ -350,7 +382,9 @@ def test_copy_windows_with_loops_keep_the_period_before_a_source_inside_the_wind
     # repeats what it wrote 40 tokens back (a loop of period 40), head 2 from 72 back (a period whose double
     # passes the longest window), head 3 from 20 back (its double still inside the window); head 1 jumps about
     # inside but copies from 100 back, beyond the window
-    near = torch.tensor([[[[157, 158, 159, 160]], [[140, 170, 131, 150]], [[125, 126, 127, 128]], [[177, 178, 179, 180]]]])
+    near = torch.tensor(
+        [[[[157, 158, 159, 160]], [[140, 170, 131, 150]], [[125, 126, 127, 128]], [[177, 178, 179, 180]]]]
+    )
     far = torch.tensor([[[[10, 50, 20, 5]], [[97, 98, 99, 100]], [[10, 50, 20, 5]], [[10, 50, 20, 5]]]])
     weights = torch.full((1, 4, 1, 4), 0.5)
     looped = copy_windows(far, weights, 200, 0.5, 0.05, recent=75, longest=150, margin=8, near=(near, weights))
@@ -358,7 +392,9 @@ def test_copy_windows_with_loops_keep_the_period_before_a_source_inside_the_wind
     # without the sources inside the window, only the copy from beyond it stretches
     assert copy_windows(far, weights, 200, 0.5, 0.05, recent=75, longest=150, margin=8).tolist() == [[75, 108, 75, 75]]
     # a head copying both ways keeps the longer reach: beyond the window 100 back, inside 60 back (2 x 60 + 8)
-    both = copy_windows(far[:, 1:2], weights[:, :1], 200, 0.5, 0.05, 75, 150, 8, near=(near[:, :1] - 20, weights[:, :1]))
+    both = copy_windows(
+        far[:, 1:2], weights[:, :1], 200, 0.5, 0.05, 75, 150, 8, near=(near[:, :1] - 20, weights[:, :1])
+    )
     assert both.tolist() == [[128]]
     # weights below the least weight count as no copy, inside the window as beyond it
     faint = torch.full((1, 4, 1, 4), 0.01)

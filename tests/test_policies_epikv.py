@@ -54,7 +54,12 @@ def test_zscore_window_holds_the_last_64_values():
 # -- default bands ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "layers, bands",
-    [(32, ((10, 1.0), (21, -1.0))), (30, ((9, 1.0), (20, -1.0))), (4, ((1, 1.0), (2, -1.0))), (64, ((20, 1.0), (43, -1.0)))],
+    [
+        (32, ((10, 1.0), (21, -1.0))),
+        (30, ((9, 1.0), (20, -1.0))),
+        (4, ((1, 1.0), (2, -1.0))),
+        (64, ((20, 1.0), (43, -1.0))),
+    ],
 )
 def test_default_bands_follow_depth_fractions(layers, bands):
     assert default_bands(layers) == bands
@@ -114,7 +119,7 @@ def test_changes_are_token_to_token_at_the_same_layer():
             for t in range(7, 10):
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
                 step = cache.policy.last[0]
-                expected = tuple(float((full[l + 1][0, t] - full[l + 1][0, t - 1]).norm()) for l in (1, 2))
+                expected = tuple(float((full[layer + 1][0, t] - full[layer + 1][0, t - 1]).norm()) for layer in (1, 2))
                 assert step.changes == pytest.approx(expected, rel=1e-4)
 
 
@@ -169,9 +174,9 @@ def test_a_non_finite_change_does_not_poison_the_window():
 
 
 def test_bands_option_picks_default_or_calibrated_whatever_else_is_there():
+    from epikv_cli.config import CacheSettings
     from epikv_cli.models.calibration import Calibration
     from epikv_cli.policies.registry import make_policy
-    from epikv_cli.config import CacheSettings
 
     saved = Calibration("m", [(3, 1.0), (7, -1.0)], [0.0] * 32, 10, 2, 64, path="bands.json")
 

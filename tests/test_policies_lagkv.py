@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import epikv_cli
-from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import make_policy
-from epikv_cli.policies.lagkv import FrozenLagKV, LagChunks, LagKV, lag_scores, layer_mean
 from epikv_cli.config import CacheSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.lagkv import FrozenLagKV, LagChunks, LagKV, lag_scores, layer_mean
+from epikv_cli.policies.registry import make_policy
 
 from conftest import tiny_model
 

@@ -50,8 +50,22 @@ def test_runs_are_interleaved_after_a_warm_up_and_forced_to_equal_length(tiny_mo
         return measured
 
     monkeypatch.setattr(profile_module, "measure", spy)
-    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming,h2o@eager", "-b", "24",
-                    "--prompt-tokens", "20", "--new-tokens", "12", "--repeats", "2", "--json", "-q")
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "full,streaming,h2o@eager",
+        "-b",
+        "24",
+        "--prompt-tokens",
+        "20",
+        "--new-tokens",
+        "12",
+        "--repeats",
+        "2",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     warm, measured = calls[:3], calls[3:]
     assert [c[0] for c in warm] == ["full", "streaming", "h2o@eager"]
@@ -64,8 +78,12 @@ def test_runs_are_interleaved_after_a_warm_up_and_forced_to_equal_length(tiny_mo
     assert rows["full"]["ratio_decode_tokens_per_s"] == 1.0
     for row in rows.values():
         assert row["decode_tokens_per_s_min"] <= row["decode_tokens_per_s"] <= row["decode_tokens_per_s_max"]
-        assert row["ratio_decode_tokens_per_s"] == pytest.approx(row["decode_tokens_per_s"] / rows["full"]["decode_tokens_per_s"], abs=1e-3)
-        assert row["ratio_kv_cache_bytes"] == pytest.approx(row["kv_cache_bytes"] / rows["full"]["kv_cache_bytes"], abs=1e-3)
+        assert row["ratio_decode_tokens_per_s"] == pytest.approx(
+            row["decode_tokens_per_s"] / rows["full"]["decode_tokens_per_s"], abs=1e-3
+        )
+        assert row["ratio_kv_cache_bytes"] == pytest.approx(
+            row["kv_cache_bytes"] / rows["full"]["kv_cache_bytes"], abs=1e-3
+        )
     # bytes per slot of the tiny Llama: 4 layers x (keys + values) x 2 heads x 8 dims x 4 bytes = 512
     assert rows["streaming"]["kv_cache_bytes"] == 25 * 512  # K + 1 slots, never more
     assert rows["full"]["kv_cache_bytes"] == (20 + 12) * 512  # the whole sequence, allocated as it filled
@@ -81,8 +99,24 @@ def test_a_batch_decodes_copies_of_the_prompt_together(tiny_model_dir, monkeypat
         return real_forward(self, tokens)
 
     monkeypatch.setattr(profile_module.BatchDecoder, "forward", forward)
-    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming,epikv2", "-b", "19",
-                    "--prompt-tokens", "20", "--new-tokens", "12", "--repeats", "1", "--batch-size", "3", "--json", "-q")
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "full,streaming,epikv2",
+        "-b",
+        "19",
+        "--prompt-tokens",
+        "20",
+        "--new-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "3",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     # warm-up (8 tokens) and measured (12) runs of three policies: one forward per step for all three rows
     assert steps == [3] * (3 * 7 + 3 * 11)
@@ -100,15 +134,50 @@ def test_a_batch_decodes_copies_of_the_prompt_together(tiny_model_dir, monkeypat
 #: what issue 7 asks `--json` to hold, at the top and per policy
 JSON_KEYS = {"model", "budget", "prompt_tokens", "new_tokens", "repeats", "results"}
 ROW_KEYS = {
-    "policy", "prefill_seconds", "decode_tokens_per_s", "decode_tokens_per_s_min", "decode_tokens_per_s_max", "flatness",
-    "prefill_peak_memory_bytes", "decode_peak_memory_bytes", "kv_cache_bytes", "ratio_decode_tokens_per_s", "ratio_kv_cache_bytes",
+    "policy",
+    "prefill_seconds",
+    "decode_tokens_per_s",
+    "decode_tokens_per_s_min",
+    "decode_tokens_per_s_max",
+    "flatness",
+    "prefill_peak_memory_bytes",
+    "decode_peak_memory_bytes",
+    "kv_cache_bytes",
+    "ratio_decode_tokens_per_s",
+    "ratio_kv_cache_bytes",
 }
 
 
 def test_every_policy_runs_under_profile(tiny_model_dir):
-    policies = ["full", "streaming", "random", "knorm", "epikv", "lagkv", "lagkv:chunks=positions", "h2o", "tova", "rkv", "epikv2"]
-    result = invoke("--model", str(tiny_model_dir), "--policies", ",".join(policies), "-b", "24",
-                    "--prompt-tokens", "12", "--new-tokens", "20", "--repeats", "1", "--json", "-q")
+    policies = [
+        "full",
+        "streaming",
+        "random",
+        "knorm",
+        "epikv",
+        "lagkv",
+        "lagkv:chunks=positions",
+        "h2o",
+        "tova",
+        "rkv",
+        "epikv2",
+    ]
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        ",".join(policies),
+        "-b",
+        "24",
+        "--prompt-tokens",
+        "12",
+        "--new-tokens",
+        "20",
+        "--repeats",
+        "1",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert JSON_KEYS <= set(data) and (data["budget"], data["prompt_tokens"], data["new_tokens"]) == (24, 12, 20)
@@ -116,7 +185,9 @@ def test_every_policy_runs_under_profile(tiny_model_dir):
     assert list(rows) == policies and all(ROW_KEYS <= set(row) for row in rows.values())
     # 12 + 20 tokens, the last never fed back: 31 stored by the full cache and by R-KV (it compresses at K + 128);
     # every other policy holds K + 1 = 25 inside the step once the cache is full
-    assert {name: row["peak_stored"] for name, row in rows.items()} == {name: 31 if name in ("full", "rkv") else 25 for name in policies}
+    assert {name: row["peak_stored"] for name, row in rows.items()} == {
+        name: 31 if name in ("full", "rkv") else 25 for name in policies
+    }
 
 
 def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir, tokenizer, tmp_path, monkeypatch):
@@ -130,8 +201,24 @@ def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir
     monkeypatch.setattr(profile_module, "measure", spy)
     passage = tmp_path / "passage.txt"
     passage.write_text("The quick brown fox.", encoding="utf-8")
-    result = invoke("--model", str(tiny_model_dir), "--policies", "streaming", "-b", "48", "--prompt-tokens", "45",
-                    "--new-tokens", "8", "--repeats", "1", "--prompt-file", str(passage), "--json", "-q")
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "streaming",
+        "-b",
+        "48",
+        "--prompt-tokens",
+        "45",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--prompt-file",
+        str(passage),
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     ids = tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"]
     assert prompts == [(ids * 3)[:45]] * 2  # warm-up and measured run
@@ -139,8 +226,21 @@ def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir
 
 
 def test_table_output(tiny_model_dir):
-    result = invoke("--model", str(tiny_model_dir), "--policies", "full,epikv", "-b", "48", "--prompt-tokens", "20",
-                    "--new-tokens", "8", "--repeats", "1", "-q")
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "full,epikv",
+        "-b",
+        "48",
+        "--prompt-tokens",
+        "20",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     assert "epikv" in result.stdout and "tok/s" in result.stdout and "ratio to full" in result.stdout
 
@@ -156,7 +256,10 @@ def test_table_output(tiny_model_dir):
         (["--batch-size", "0"], ["--batch-size must be at least 1"]),
         (["--max-context", "--memory-limit", "1GiB", "--batch-size", "2"], ["--batch-size goes without --max-context"]),
         (["--new-tokens", "7"], ["--new-tokens must be at least 8"]),
-        (["--policies", "epikv", "--budget", "100", "--prompt-tokens", "100"], ["--budget 100 is not larger than the 100-token prompt"]),
+        (
+            ["--policies", "epikv", "--budget", "100", "--prompt-tokens", "100"],
+            ["--budget 100 is not larger than the 100-token prompt"],
+        ),
         (["--max-context", "--memory-limit", "lots"], ["is not a size"]),
         (["--max-context", "--memory-limit", "100000GiB"], ["more than this machine has available"]),
         (["--max-context"], ["needs --memory-limit"]),
@@ -178,11 +281,34 @@ def test_a_config_that_is_not_a_causal_lm(tmp_path):
 
 
 def test_config_json_runs_with_random_weights_and_fewer_layers(tmp_path):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=512,
+    )
     config.save_pretrained(tmp_path)
-    result = invoke("--model", str(tmp_path / "config.json"), "--layers", "2", "--policies", "full,epikv", "-b", "40",
-                    "--prompt-tokens", "16", "--new-tokens", "8", "--repeats", "1", "--json", "-q")
+    result = invoke(
+        "--model",
+        str(tmp_path / "config.json"),
+        "--layers",
+        "2",
+        "--policies",
+        "full,epikv",
+        "-b",
+        "40",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["results"]
     # 2 of 6 layers kept: (16 + 8) slots x 2 layers x (keys, values) x 2 heads x 16 dims x 4 bytes
@@ -204,7 +330,9 @@ def test_shapes_have_the_published_size(name):
 
 def test_memory_sizes():
     assert parse_memory("16GiB") == 16 * 2**30 == parse_memory("16G") == parse_memory("16 gib")
-    assert parse_memory("16GB") == 16 * 10**9 and parse_memory("1500MiB") == 1500 * 2**20 and parse_memory("4096") == 4096
+    assert (
+        parse_memory("16GB") == 16 * 10**9 and parse_memory("1500MiB") == 1500 * 2**20 and parse_memory("4096") == 4096
+    )
 
 
 def test_search_doubles_then_bisects_to_the_resolution():
@@ -225,8 +353,15 @@ def test_search_doubles_then_bisects_to_the_resolution():
 
 def save_probe_model(path, tokenizer) -> None:
     """A 4-layer Llama with an 8192-token context, saved with its tokenizer, for real max-context probes."""
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=272, max_position_embeddings=8192)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=272,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -310,8 +445,24 @@ def test_each_run_starts_after_the_last_runs_cache_is_gone(tiny_model_dir, monke
 
     monkeypatch.setattr(profile_module.BatchDecoder, "__init__", recording_init)
     monkeypatch.setattr(profile_module, "reset_peak", checking_reset)
-    result = invoke("--model", str(tiny_model_dir), "--policies", "full,streaming", "-b", "19", "--prompt-tokens", "20",
-                    "--new-tokens", "12", "--repeats", "1", "--batch-size", "2", "--json", "-q")
+    result = invoke(
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "full,streaming",
+        "-b",
+        "19",
+        "--prompt-tokens",
+        "20",
+        "--new-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "2",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     # four runs (two warm-ups, two measured), each resetting at its start and after its prefill: at the first
     # reset of each, no earlier run's cache is left (the run's own decoder is made after it)

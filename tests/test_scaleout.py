@@ -36,17 +36,34 @@ def test_two_processes_write_one_merged_output(tiny_model_dir, tmp_path):
     lines = [json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) for i in range(7)]
     lines.insert(3, "{broken")
     prompts.write_text("\n".join(lines) + "\n")
-    common = ["generate", "--model", str(tiny_model_dir), "-n", "6", "-b", "48", "--ignore-eos", "-q", "--prompts", str(prompts)]
+    common = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-n",
+        "6",
+        "-b",
+        "48",
+        "--ignore-eos",
+        "-q",
+        "--prompts",
+        str(prompts),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     merged = tmp_path / "merged.jsonl"
     launched = subprocess.run(
         [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", *common, "--output", str(merged)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert launched.returncode == 1, launched.stderr[-2000:]  # the broken line fails; the rest ran
     single = tmp_path / "single.jsonl"
-    alone = subprocess.run([sys.executable, "-m", "epikv_cli", *common, "--output", str(single)], env=env, capture_output=True, text=True)
+    alone = subprocess.run(
+        [sys.executable, "-m", "epikv_cli", *common, "--output", str(single)], env=env, capture_output=True, text=True
+    )
     assert alone.returncode == 1
 
     rows = read(merged)
@@ -62,13 +79,32 @@ def launch_with(tmp_path, tiny_model_dir, injection: str, prompts: list[str], ti
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') is not None:\n" + "".join(f"    {line}\n" for line in injection.splitlines())
+        "import os\nif os.environ.get('RANK') is not None:\n"
+        + "".join(f"    {line}\n" for line in injection.splitlines())
     )
     path = tmp_path / "p.txt"
     path.write_text("\n".join(prompts) + "\n")
     out = tmp_path / "out.jsonl"
-    command = [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", "generate", "--model", str(tiny_model_dir),
-               "-n", "6", "-b", "48", "--ignore-eos", "-q", "--prompts", str(path), "--output", str(out)]
+    command = [
+        str(TORCHRUN),
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "epikv_cli",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-n",
+        "6",
+        "-b",
+        "48",
+        "--ignore-eos",
+        "-q",
+        "--prompts",
+        str(path),
+        "--output",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(inject)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     return done, out
@@ -120,14 +156,41 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
         "            number = tokenizer.decode(ids[0]).split('problem ')[1][0]\n"
         "            self.text = '\\\\boxed{' + number + '}' if number != '3' else 'no idea'\n"
         "        def __iter__(self):\n"
-        "            self.result = types.SimpleNamespace(text=self.text, prompt_tokens=5, generated_tokens=3, stop_reason='eos', decode_tokens_per_s=9.0)\n"
+        "            self.result = types.SimpleNamespace(text=self.text, prompt_tokens=5, generated_tokens=3, "
+        "stop_reason='eos', decode_tokens_per_s=9.0)\n"
         "            return iter(())\n"
         "    evaluate.Generation = Scripted\n"
     )
     out = tmp_path / "eval.jsonl"
-    command = [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", "eval", "--model", str(tiny_model_dir), "--dataset", str(data),
-               "--policies", "full", "--budgets", "64", "-n", "8", "-o", str(out), "--json", "-q"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(inject)}, capture_output=True, text=True, timeout=240)
+    command = [
+        str(TORCHRUN),
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "epikv_cli",
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--policies",
+        "full",
+        "--budgets",
+        "64",
+        "-n",
+        "8",
+        "-o",
+        str(out),
+        "--json",
+        "-q",
+    ]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(inject)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = read(out)
     assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and {r["rank"] for r in rows} == {0, 1}
@@ -146,14 +209,43 @@ def test_two_nodes_on_localhost(tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(f"question {i}" for i in range(5)) + "\n")
     out = tmp_path / "out.jsonl"
-    common = ["generate", "--model", str(tiny_model_dir), "-n", "5", "-b", "48", "--ignore-eos", "-q", "--prompts", str(prompts), "--output", str(out)]
+    common = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "-n",
+        "5",
+        "-b",
+        "48",
+        "--ignore-eos",
+        "-q",
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
             # the README's multi-node command: --nnodes, --node-rank, --rdzv-endpoint
-            [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--rdzv-endpoint",
-             f"127.0.0.1:{port}", "-m", "epikv_cli", *common],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                str(TORCHRUN),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "-m",
+                "epikv_cli",
+                *common,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]

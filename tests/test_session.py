@@ -75,7 +75,9 @@ def test_compressed_positions_through_generate():
     seen = []
     with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed") as cache:
         # registered after attach's own pre-hook, so it sees the rewritten positions
-        spy = MODEL.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"][0].tolist()), with_kwargs=True)
+        spy = MODEL.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["position_ids"][0].tolist()), with_kwargs=True
+        )
         try:
             MODEL.generate(IDS, cache=cache, max_new_tokens=40, **GEN)
         finally:
@@ -171,11 +173,17 @@ def test_baselines_run_under_plain_generate(policy):
 
 def test_sessions_sharing_a_model_in_lockstep_match_each_run_alone(tokenizer):
     """Two generations stepped alternately on one model (as fidelity replays do) see only their own forwards."""
-    from epikv_cli.runtime.generation import Generation
     from epikv_cli.config import CacheSettings, SamplingSettings
+    from epikv_cli.runtime.generation import Generation
 
     def make(policy):
-        return Generation(MODEL, tokenizer, IDS, CacheSettings(budget=24, policy=policy), SamplingSettings(max_new_tokens=60, ignore_eos=True))
+        return Generation(
+            MODEL,
+            tokenizer,
+            IDS,
+            CacheSettings(budget=24, policy=policy),
+            SamplingSettings(max_new_tokens=60, ignore_eos=True),
+        )
 
     alone = {policy: [(e.token_id, e.evicted) for e in make(policy)] for policy in ("h2o", "epikv", "tova")}
     runs = {policy: iter(make(policy)) for policy in alone}
@@ -198,6 +206,11 @@ def test_a_reset_cache_starts_a_new_sequence_afresh():
         MODEL.generate(IDS, cache=cache, max_new_tokens=70, **GEN)
         first_policy = cache.policy
         cache.reset()
-        assert (cache.stored, cache.seen, cache.evicted_total, cache.peak_stored) == (0, 0, 0, 0) and cache.policy is not first_policy
+        assert (cache.stored, cache.seen, cache.evicted_total, cache.peak_stored) == (
+            0,
+            0,
+            0,
+            0,
+        ) and cache.policy is not first_policy
         again = MODEL.generate(other, cache=cache, max_new_tokens=50, **GEN)
         assert torch.equal(again, expected) and cache.evicted_total == expected_evicted

@@ -39,7 +39,14 @@ def budget_for(policy: str) -> int | None:
 
 
 def generate(model, ids, mask, cache):
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=STEPS, logits_processor=LogitsProcessorList([StepBias()]), **GEN)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=STEPS,
+        logits_processor=LogitsProcessorList([StepBias()]),
+        **GEN,
+    )
     return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)  # [B, T], [B, T, vocab]
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import check_settings, make_policy
 from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings, parse_bands
+from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import default_recent
+from epikv_cli.policies.registry import check_settings, make_policy
 
 
 def test_parse_bands():
@@ -49,7 +49,15 @@ def test_cache_settings_errors(kwargs, message):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"stop": ("",)}, {"top_k": 5}, {"top_p": 0.9}],
+    [
+        {"max_new_tokens": 0},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"stop": ("",)},
+        {"top_k": 5},
+        {"top_p": 0.9},
+    ],
 )
 def test_sampling_settings_errors(kwargs):
     with pytest.raises(UsageError):
@@ -89,8 +97,14 @@ def test_device_maps_this_machine_has(spec):
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("cuda", "no CUDA device"), ("cuda:0", "no CUDA device"), ("0", "no CUDA device"), ("cpu:1", "has no index"),
-     ("tpu", "not a placement"), ("", "not a placement")],
+    [
+        ("cuda", "no CUDA device"),
+        ("cuda:0", "no CUDA device"),
+        ("0", "no CUDA device"),
+        ("cpu:1", "has no index"),
+        ("tpu", "not a placement"),
+        ("", "not a placement"),
+    ],
 )
 def test_device_maps_this_machine_lacks(monkeypatch, spec, message):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -115,7 +129,9 @@ def test_recent_is_refused_where_it_means_nothing(policy):
 
 @pytest.mark.parametrize("budget", [2**62 + 1, 10**20])
 def test_budgets_beyond_int64_positions_are_refused_with_the_way_out(budget):
-    with pytest.raises(UsageError, match=rf"--budget must be at most {2**62} tokens, got {budget}; for no eviction use --policy full"):
+    with pytest.raises(
+        UsageError, match=rf"--budget must be at most {2**62} tokens, got {budget}; for no eviction use --policy full"
+    ):
         CacheSettings(budget=budget, policy="epikv2")
     assert make_policy(CacheSettings(budget=2**62, policy="epikv2")).recent == 3 * 2**60
 
@@ -165,6 +181,8 @@ def test_numpy_and_torch_integers_are_whole_numbers():
     import numpy as np
     import torch
 
-    settings = CacheSettings(budget=np.int64(64), policy="epikv", recent=torch.tensor(8), seed=np.int32(3), bands=((np.int64(0), 1),))
+    settings = CacheSettings(
+        budget=np.int64(64), policy="epikv", recent=torch.tensor(8), seed=np.int32(3), bands=((np.int64(0), 1),)
+    )
     assert (settings.budget, settings.recent, settings.seed, settings.bands) == (64, 8, 3, ((0, 1.0),))
     assert all(type(value) is int for value in (settings.budget, settings.recent, settings.seed, settings.bands[0][0]))

@@ -9,10 +9,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
-from epikv_cli.runtime.generation import Generation, StepEvent
-from epikv_cli.policies.registry import POLICIES
-from epikv_cli.config import CacheSettings, SamplingSettings
 from epikv_cli.cli.ui import LivePanel, PanelState, PanelView, sparkline
+from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.policies.registry import POLICIES
+from epikv_cli.runtime.generation import Generation, StepEvent
 
 from conftest import tiny_model
 
@@ -23,11 +23,17 @@ def run_state(tokenizer, policy="epikv", threshold=1.0, with_result=False):
     ids = tokenizer("Hello there, tell me a story", return_tensors="pt")["input_ids"]
     budget = 40 if policy != "full" else None
     generation = Generation(
-        MODEL, tokenizer, ids, CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].uses_recent else None),
+        MODEL,
+        tokenizer,
+        ids,
+        CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].uses_recent else None),
         SamplingSettings(max_new_tokens=120, ignore_eos=True),
     )
     state = PanelState(
-        budget=budget, prompt_ids=ids[0].tolist(), has_scores=generation.policy_has_scores, spike_threshold=threshold,
+        budget=budget,
+        prompt_ids=ids[0].tolist(),
+        has_scores=generation.policy_has_scores,
+        spike_threshold=threshold,
         per_head=generation.policy_per_head,
     )
     for event in generation:
@@ -42,13 +48,22 @@ def test_per_head_keep_sets_count_what_the_summary_counts(tokenizer):
     assert state.per_head and result.evicted == state.seen - 40  # one entry per head per step past K = 40
     assert state.spans.total < result.evicted  # heads keep different tokens: fewer positions are gone from all
     _, text = render(state, tokenizer)
-    assert f"evicted        {result.evicted} per KV head; by every head {state.spans.total}, in {len(state.spans)} spans" in text
+    assert (
+        f"evicted        {result.evicted} per KV head; by every head {state.spans.total}, in {len(state.spans)} spans"
+        in text
+    )
     assert "─ spans evicted by every KV head (newest first)" in text
     assert not run_state(tokenizer, policy="streaming").per_head
 
 
 def render(state, tokenizer, terminal=False):
-    console = Console(record=True, width=100, file=io.StringIO(), force_terminal=terminal, color_system="truecolor" if terminal else None)
+    console = Console(
+        record=True,
+        width=100,
+        file=io.StringIO(),
+        force_terminal=terminal,
+        color_system="truecolor" if terminal else None,
+    )
     console.print(PanelView(state, tokenizer).render())
     return console, console.export_text()
 
@@ -66,7 +81,9 @@ def test_panel_has_every_section(tokenizer):
 
 
 def event(index, token, scored=(), evicted=()):
-    return StepEvent(index, token, chr(token), 3 + index, 3, 4 + index, list(evicted), list(scored), torch.zeros(1), 0.1 * index)
+    return StepEvent(
+        index, token, chr(token), 3 + index, 3, 4 + index, list(evicted), list(scored), torch.zeros(1), 0.1 * index
+    )
 
 
 def test_spikes_are_listed_with_their_token(tokenizer):

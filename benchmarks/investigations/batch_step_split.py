@@ -5,7 +5,8 @@ process, for each policy in turn (``--rounds`` times, interleaved); the pieces n
 with wrappers (their time includes what they call, so the lines overlap: ``decoder.forward`` holds
 the model and everything run inside or after it, ``decoder.settle`` the eviction).
 
-    .venv/bin/python benchmarks/batch_step_split.py --policies streaming,epikv2 --batch-size 8 --budget 512 --prompt-tokens 1024
+    .venv/bin/python benchmarks/investigations/batch_step_split.py --policies streaming,epikv2 --batch-size 8 \\
+        --budget 512 --prompt-tokens 1024
 
 ``--trace`` also prints each timed step of the last round (a refresh step stands out from the others).
 """
@@ -20,16 +21,14 @@ import time
 
 import torch
 
-from epikv_cli.core import attention
-from epikv_cli.runtime import batched
-from epikv_cli.core import keepsets
-from epikv_cli.core import rows
-from epikv_cli.runtime.batched import BatchDecoder
+from epikv_cli.cli.profile import prompt_ids
+from epikv_cli.config import CacheSettings, ModelSettings
+from epikv_cli.core import attention, keepsets, rows
 from epikv_cli.models.loading import load
 from epikv_cli.policies import epikv2
 from epikv_cli.policies.registry import parse_policy_spec
-from epikv_cli.cli.profile import prompt_ids
-from epikv_cli.config import CacheSettings, ModelSettings
+from epikv_cli.runtime import batched
+from epikv_cli.runtime.batched import BatchDecoder
 
 TIMED = [
     (batched.BatchDecoder, "forward", "decoder.forward (model + stage)"),
@@ -84,7 +83,9 @@ def main() -> None:
     ids = prompt_ids(loaded.tokenizer, args.prompt_tokens)
     seconds: dict[str, float] = collections.defaultdict(float)
     timed(seconds)
-    per_step: dict[str, dict[str, list[float]]] = {spec: collections.defaultdict(list) for spec in args.policies.split(",")}
+    per_step: dict[str, dict[str, list[float]]] = {
+        spec: collections.defaultdict(list) for spec in args.policies.split(",")
+    }
     traces: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for spec in per_step:
@@ -105,10 +106,15 @@ def main() -> None:
             for label, total in seconds.items():
                 per_step[spec][label].append(total / args.steps)
     labels = ["whole step"] + [label for _, _, label in TIMED]
-    print(f"ms per step, median of {args.rounds} rounds; batch {args.batch_size}, K = {args.budget}, prompt {args.prompt_tokens}")
+    print(
+        f"ms per step, median of {args.rounds} rounds; batch {args.batch_size}, K = {args.budget}, prompt "
+        f"{args.prompt_tokens}"
+    )
     print(f"{'':46s}" + "".join(f"{spec:>14s}" for spec in per_step))
     for label in labels:
-        cells = [statistics.median(per_step[spec][label]) * 1000 if per_step[spec].get(label) else None for spec in per_step]
+        cells = [
+            statistics.median(per_step[spec][label]) * 1000 if per_step[spec].get(label) else None for spec in per_step
+        ]
         if any(cells):
             print(f"{label:46s}" + "".join(f"{cell:14.3f}" if cell is not None else f"{'-':>14s}" for cell in cells))
     if args.trace:

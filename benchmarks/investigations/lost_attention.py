@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.runtime.stream import CacheStream
-from epikv_cli.cli.fidelity import Config, BudgetSpec
-from epikv_cli.models.loading import load
-from epikv_cli.data.problems import load_problems, protocol_ids
+from epikv_cli.cli.fidelity import BudgetSpec, Config
 from epikv_cli.config import ModelSettings
+from epikv_cli.data.problems import load_problems, protocol_ids
+from epikv_cli.models.loading import load
+from epikv_cli.runtime.stream import CacheStream
 
 
 def held_by_head(cache, layers: int, kv_heads: int) -> list[list[set[int]]]:
@@ -51,8 +51,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", type=Path, required=True)
-    parser.add_argument("--offset", type=int, required=True, help="the prompt's index in --prompts (as fidelity's --offset)")
-    parser.add_argument("--trace", type=Path, required=True, help="fidelity --trace output holding that prompt's record")
+    parser.add_argument(
+        "--offset", type=int, required=True, help="the prompt's index in --prompts (as fidelity's --offset)"
+    )
+    parser.add_argument(
+        "--trace", type=Path, required=True, help="fidelity --trace output holding that prompt's record"
+    )
     parser.add_argument("--policy", required=True, help="a policy of the record, e.g. epikv2")
     parser.add_argument("--budget", default=None, help="one of the record's budgets (default: the policy's first)")
     parser.add_argument("--spikes", type=int, default=3, help="how many of the largest KL positions to explain")
@@ -65,9 +69,13 @@ def main() -> None:
     if record is None or "reference_tokens" not in record:
         parser.error(f"{args.trace} holds no --trace record of {problem.id}; run epikv fidelity --trace on that prompt")
     reference = record["reference_tokens"]
-    result = next((r for r in record["results"] if r["policy"] == args.policy and args.budget in (None, r["budget"])), None)
+    result = next(
+        (r for r in record["results"] if r["policy"] == args.policy and args.budget in (None, r["budget"])), None
+    )
     if result is None or "kl_by_position" not in result:
-        parser.error(f"the record of {problem.id} has no traced result of {args.policy} at budget {args.budget or 'any'}")
+        parser.error(
+            f"the record of {problem.id} has no traced result of {args.policy} at budget {args.budget or 'any'}"
+        )
     kl = result["kl_by_position"]
     spikes = sorted(sorted(range(1, len(reference)), key=lambda step: -kl[step])[: args.spikes])
     loaded = load(ModelSettings(model=args.model, attn="eager"))
@@ -104,17 +112,28 @@ def main() -> None:
     print(f"{problem.id}: {prompt_len}-token prompt, K = {configs[args.policy].budget}, evicting layers {layers}")
     for step in spikes:
         query = prompt_len + step - 1  # the position whose logits predict reference[step]
-        print(f"\nstep {step}: KL {kl[step]:.3f} predicting {texts[query + 1]!r} after {texts[query]!r} (position {query})")
+        print(
+            f"\nstep {step}: KL {kl[step]:.3f} predicting {texts[query + 1]!r} after {texts[query]!r} (position "
+            f"{query})"
+        )
         for index, layer in enumerate(layers):
             for head in range(kv_heads):
-                weights = attentions[layer][0, head * group : (head + 1) * group, query, : query + 1].float().mean(dim=0)
-                lost = sorted(p for p in held[step]["streaming"][index][head] - held[step][args.policy][index][head] if p <= query)
+                weights = (
+                    attentions[layer][0, head * group : (head + 1) * group, query, : query + 1].float().mean(dim=0)
+                )
+                lost = sorted(
+                    p for p in held[step]["streaming"][index][head] - held[step][args.policy][index][head] if p <= query
+                )
                 mass = float(weights[lost].sum()) if lost else 0.0
                 heaviest = sorted(lost, key=lambda p: -float(weights[p]))[: args.top]
                 listed = ", ".join(
-                    f"{p} {texts[p]!r} {float(weights[p]):.3f} (left at {when(left_at.get((index, head, p)))})" for p in heaviest
+                    f"{p} {texts[p]!r} {float(weights[p]):.3f} (left at {when(left_at.get((index, head, p)))})"
+                    for p in heaviest
                 )
-                print(f"  layer {layer} KV head {head}: {mass:.3f} on {len(lost)} tokens evicted here, held by streaming: {listed}")
+                print(
+                    f"  layer {layer} KV head {head}: {mass:.3f} on {len(lost)} tokens evicted here, held by "
+                    f"streaming: {listed}"
+                )
 
 
 if __name__ == "__main__":

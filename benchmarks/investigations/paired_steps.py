@@ -16,11 +16,11 @@ import argparse
 import statistics
 import time
 
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.errors import UsageError
-from epikv_cli.models.loading import load
 from epikv_cli.cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.config import ModelSettings, SamplingSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.models.loading import load
+from epikv_cli.runtime.generation import Generation
 
 
 def main() -> None:
@@ -34,7 +34,9 @@ def main() -> None:
 
     # profile's own parsing and budget checks: a policy that cannot hold the prompt is named before the model loads
     try:
-        settings = ProfileSettings(ProfileSettings.parse_policies(args.policies), args.budget, args.prompt_tokens, args.new_tokens, repeats=1)
+        settings = ProfileSettings(
+            ProfileSettings.parse_policies(args.policies), args.budget, args.prompt_tokens, args.new_tokens, repeats=1
+        )
         settings.check_budgets()
     except UsageError as error:
         parser.error(str(error))
@@ -44,7 +46,10 @@ def main() -> None:
     loaded = load(ModelSettings(model=args.model))
     ids = prompt_ids(loaded.tokenizer, args.prompt_tokens, None)
     sampling = SamplingSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
-    steps = [iter(Generation(loaded.model, loaded.tokenizer, ids, settings.cache_for(run), sampling)) for run in settings.runs]
+    steps = [
+        iter(Generation(loaded.model, loaded.tokenizer, ids, settings.cache_for(run), sampling))
+        for run in settings.runs
+    ]
     for generation in steps:
         next(generation)  # the prefill and the first token
     times: list[list[float]] = [[] for _ in labels]
@@ -61,7 +66,10 @@ def main() -> None:
     for label, own in zip(labels, times):
         difference = statistics.median(a - b for a, b in zip(own, reference))
         ratio = statistics.fmean(reference) / statistics.fmean(own)
-        print(f"{label:24} {1000 * statistics.fmean(own):8.2f} {1000 * statistics.median(own):9.2f} {1000 * difference:22.2f} {ratio:11.4f}")
+        print(
+            f"{label:24} {1000 * statistics.fmean(own):8.2f} {1000 * statistics.median(own):9.2f} "
+            f"{1000 * difference:22.2f} {ratio:11.4f}"
+        )
 
 
 if __name__ == "__main__":

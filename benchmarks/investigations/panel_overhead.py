@@ -15,13 +15,13 @@ import statistics
 
 from rich.console import Console
 
+from epikv_cli.cli.ui import LivePanel, PanelState, PanelView
+from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
+from epikv_cli.core.memory import peak_memory
+from epikv_cli.data.prompts import build_input_ids
+from epikv_cli.models.loading import load
 from epikv_cli.runtime.generation import Generation
 from epikv_cli.runtime.stream import input_device
-from epikv_cli.core.memory import peak_memory
-from epikv_cli.models.loading import load
-from epikv_cli.data.prompts import build_input_ids
-from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
-from epikv_cli.cli.ui import LivePanel, PanelState, PanelView
 
 PROMPT = "Explain step by step how a bicycle stays upright."
 

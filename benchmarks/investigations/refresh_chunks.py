@@ -23,7 +23,9 @@ from epikv_cli.policies import epikv2
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", default="513,4200", help="cached keys per KV head, comma-separated")
-    parser.add_argument("--chunks", default="0,2,4,16,64", help="chunk sizes in MiB, comma-separated (0: one layer each)")
+    parser.add_argument(
+        "--chunks", default="0,2,4,16,64", help="chunk sizes in MiB, comma-separated (0: one layer each)"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)

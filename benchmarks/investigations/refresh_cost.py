@@ -28,7 +28,9 @@ from epikv_cli.policies.epikv2 import received_by_head
 def baseline_function(checkout: Path):
     """``received_by_head`` of the ``epikv_cli`` package in ``checkout``, imported under another name."""
     package = checkout / "epikv_cli"
-    spec = importlib.util.spec_from_file_location("epikv_baseline", package / "__init__.py", submodule_search_locations=[str(package)])
+    spec = importlib.util.spec_from_file_location(
+        "epikv_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["epikv_baseline"] = module
     spec.loader.exec_module(module)
@@ -40,10 +42,14 @@ def inputs(keys: int, heads: int, kv_heads: int, queries: int, dim: int, dtype: 
     generator = torch.Generator().manual_seed(keys)
     seen = keys + 1000
     query_positions = torch.arange(seen - queries, seen)
-    key_positions = torch.stack([
-        torch.cat([torch.randperm(seen - queries, generator=generator)[: keys - queries], query_positions])[torch.randperm(keys, generator=generator)]
-        for _ in range(kv_heads)
-    ])
+    key_positions = torch.stack(
+        [
+            torch.cat([torch.randperm(seen - queries, generator=generator)[: keys - queries], query_positions])[
+                torch.randperm(keys, generator=generator)
+            ]
+            for _ in range(kv_heads)
+        ]
+    )
     q = torch.randn(heads, queries, dim, generator=generator).to(dtype)
     k = torch.randn(kv_heads, keys, dim, generator=generator).to(dtype)
     return q, k, query_positions, key_positions
@@ -70,7 +76,11 @@ def main() -> None:
     functions = {"this tree": received_by_head}
     if args.baseline is not None:
         functions["baseline"] = baseline_function(args.baseline)
-    print(f"{'keys':>6} " + " ".join(f"{name + ' us':>14}" for name in functions) + ("   equal" if len(functions) > 1 else ""))
+    print(
+        f"{'keys':>6} "
+        + " ".join(f"{name + ' us':>14}" for name in functions)
+        + ("   equal" if len(functions) > 1 else "")
+    )
     for keys in (int(k) for k in args.keys.split(",")):
         arguments = inputs(keys, args.heads, args.kv_heads, args.queries, args.dim, getattr(torch, args.dtype))
         calls = max(3, 100_000 // keys)

@@ -45,7 +45,10 @@ def main() -> None:
     torch.set_grad_enabled(False)
     generator = torch.Generator().manual_seed(0)
     layers, kv_heads, w = args.layers, args.kv_heads, args.queries
-    print(f"ms per refresh ({layers} layers, {args.heads} query / {kv_heads} KV heads, {w} queries), median of {args.rounds}")
+    print(
+        f"ms per refresh ({layers} layers, {args.heads} query / {kv_heads} KV heads, {w} queries), median of "
+        f"{args.rounds}"
+    )
     print(f"{'keys':>6} {'no search':>10} {'copy':>10} {'copy+loop':>10}")
     for n in counts:
         seen = n + 100  # the oldest 100 positions (past the sinks) are gone, the rest held in scrambled slots

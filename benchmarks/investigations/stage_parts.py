@@ -16,12 +16,13 @@ import collections
 import time
 
 from batch_step_split import timed  # run as a script: benchmarks/ is on the path
-from epikv_cli.core import keepsets
-from epikv_cli.runtime.generation import Generation
-from epikv_cli.models.loading import load
-from epikv_cli.policies import epikv2
+
 from epikv_cli.cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.config import ModelSettings, SamplingSettings
+from epikv_cli.core import keepsets
+from epikv_cli.models.loading import load
+from epikv_cli.policies import epikv2
+from epikv_cli.runtime.generation import Generation
 
 PIECES = [
     (epikv2, "received_by_layers", "refresh product (received_by_layers)"),
@@ -39,7 +40,9 @@ def main() -> None:
     parser.add_argument("--policy", default="epikv2", help="an epikv2 spec, e.g. epikv2:queries=4")
     parser.add_argument("--steps", type=int, default=96, help="decode steps timed (after the first)")
     args = parser.parse_args()
-    settings = ProfileSettings(ProfileSettings.parse_policies(args.policy), args.budget, args.budget + 100, args.steps + 1, repeats=1)
+    settings = ProfileSettings(
+        ProfileSettings.parse_policies(args.policy), args.budget, args.budget + 100, args.steps + 1, repeats=1
+    )
     if settings.runs[0].policy != "epikv2":
         parser.error("--policy: an epikv2 spec")
 
@@ -60,7 +63,10 @@ def main() -> None:
     step_ms = (time.perf_counter() - start) * 1000 / args.steps
     print(f"{args.policy} at K = {args.budget}: {step_ms:.2f} ms per decode step over {args.steps} steps")
     for label, seconds in spent.items():
-        print(f"  {label:36} {seconds * 1000 / args.steps:7.3f} ms/step  ({calls[label]} calls, {seconds * 1000 / calls[label]:.3f} ms each)")
+        print(
+            f"  {label:36} {seconds * 1000 / args.steps:7.3f} ms/step  ({calls[label]} calls, "
+            f"{seconds * 1000 / calls[label]:.3f} ms each)"
+        )
 
 
 if __name__ == "__main__":

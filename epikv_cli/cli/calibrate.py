@@ -67,7 +67,9 @@ def trace(model, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.T
     changes = torch.zeros(layers, new_tokens)
     tokens: list[int] = []
     try:
-        with CacheStream(model, CacheSettings(budget=None, policy="full"), max_tokens=ids.shape[1] + new_tokens) as stream:
+        with CacheStream(
+            model, CacheSettings(budget=None, policy="full"), max_tokens=ids.shape[1] + new_tokens
+        ) as stream:
             logits = stream.feed(ids)
             previous = [taps.outputs[layer][0, -1].float() for layer in range(layers)]
             taps.clear()
@@ -99,16 +101,22 @@ def window_labels(model, sequence: list[int], prompt_len: int, new_tokens: int) 
             visible = causal.clone()
             visible[last:, first:last] = False  # evicted once the window is complete: later queries miss it
             mask = torch.zeros(1, 1, total, total).masked_fill(~visible, float("-inf"))
-            hidden = torch.log_softmax(model(ids, attention_mask=mask, use_cache=False).logits[0, last:].float(), dim=-1)
+            hidden = torch.log_softmax(
+                model(ids, attention_mask=mask, use_cache=False).logits[0, last:].float(), dim=-1
+            )
             after = reference[last:]
             labels.append((start, float((after.exp() * (after - hidden)).sum(-1).mean())))
     return labels
 
 
-def calibrate(model, prompts_ids: list[torch.Tensor], new_tokens: int, advance=lambda text: None) -> tuple[list[float], int]:
+def calibrate(
+    model, prompts_ids: list[torch.Tensor], new_tokens: int, advance=lambda text: None
+) -> tuple[list[float], int]:
     """Per-layer Spearman correlation of the smoothed hidden-state change with window importance."""
     if new_tokens < WINDOW + STRIDE:
-        raise UsageError(f"--new-tokens must be at least {WINDOW + STRIDE} for {WINDOW}-token windows, got {new_tokens}")
+        raise UsageError(
+            f"--new-tokens must be at least {WINDOW + STRIDE} for {WINDOW}-token windows, got {new_tokens}"
+        )
     features: list[list[float]] = []
     labels: list[float] = []
     for index, ids in enumerate(prompts_ids):
@@ -135,18 +143,22 @@ def choose_bands(rho: list[float]) -> tuple[list[tuple[int, float]], str | None]
     if rho[negative] < 0:
         bands.append((negative, -1.0))
     if not bands:
-        raise UsageError("no layer's hidden-state change correlates with window importance; use more prompts or --new-tokens")
+        raise UsageError(
+            "no layer's hidden-state change correlates with window importance; use more prompts or --new-tokens"
+        )
     note = None
     if len(bands) < 2:
         note = "only one band: no layer correlates " + ("negatively" if rho[positive] > 0 else "positively")
     elif positive > negative:
-        note = f"the pattern differs from the paper's: the positive band (layer {positive}) lies above the negative one (layer {negative})"
+        note = (
+            f"the pattern differs from the paper's: the positive band (layer {positive}) "
+            f"lies above the negative one (layer {negative})"
+        )
     return bands, note
 
 
 def calibrate_command(model_settings, problems, new_tokens: int, json_output: bool = False, quiet: bool = False) -> int:
     """``epikv calibrate``: measure, print the per-layer table, save the bands."""
-
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
@@ -159,12 +171,22 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
     calibration = Calibration(key, bands, [round(r, 4) for r in rho], windows, len(problems), new_tokens)
     calibration.path = str(save_calibration(calibration, key))
     if json_output:
-        print(json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        print(
+            json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
+            flush=True,
+        )
     else:
-        wide_console().print(calibration_table(rho, bands, f"{key}: Spearman ρ of each layer's smoothed change with window importance ({windows} windows)"))
+        wide_console().print(
+            calibration_table(
+                rho,
+                bands,
+                f"{key}: Spearman ρ of each layer's smoothed change with window importance ({windows} windows)",
+            )
+        )
         if note:
             err.print(f"note: {note}")
-        err.print(f"bands {','.join(f'{layer}:{sign:+.0f}' for layer, sign in bands)} saved to {calibration.path}; "
-                  "generate, eval, fidelity and profile use them for --policy epikv (--bands overrides)")
+        err.print(
+            f"bands {','.join(f'{layer}:{sign:+.0f}' for layer, sign in bands)} saved to {calibration.path}; "
+            "generate, eval, fidelity and profile use them for --policy epikv (--bands overrides)"
+        )
     return 0
-

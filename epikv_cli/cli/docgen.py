@@ -90,7 +90,11 @@ def command_tree() -> tuple[Cmd, list[Cmd]]:
 
     def describe(name, command) -> Cmd:
         options = [_opt(p) for p in command.params if p.param_type_name == "option" and not p.hidden]
-        arguments = [(p.name.upper(), (getattr(p, "help", "") or "").strip()) for p in command.params if p.param_type_name == "argument"]
+        arguments = [
+            (p.name.upper(), (getattr(p, "help", "") or "").strip())
+            for p in command.params
+            if p.param_type_name == "argument"
+        ]
         return Cmd(name, (command.help or "").strip(), options, arguments)
 
     root = describe("epikv", group)
@@ -104,11 +108,16 @@ def command_tree() -> tuple[Cmd, list[Cmd]]:
 # -- bash ---------------------------------------------------------------------------------------
 def bash_script() -> str:
     root, subs = command_tree()
-    lines = [f"# bash completion for epikv ({HEADER})", "_epikv() {", '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i']
+    lines = [
+        f"# bash completion for epikv ({HEADER})",
+        "_epikv() {",
+        '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i',
+    ]
     names = " ".join(c.name for c in subs)
     lines += [
         "    for ((i = 1; i < COMP_CWORD; i++)); do",
-        f'        case "${{COMP_WORDS[i]}}" in {"|".join(c.name for c in subs)}) sub="${{COMP_WORDS[i]}}"; break ;; esac',
+        f'        case "${{COMP_WORDS[i]}}" in {"|".join(c.name for c in subs)}) '
+        'sub="${COMP_WORDS[i]}"; break ;; esac',
         "    done",
         '    case "$sub" in',
     ]
@@ -132,7 +141,13 @@ def bash_script() -> str:
             f'        COMPREPLY=($(compgen -W "{words}" -- "$cur")) ;;',
         ]
     root_words = " ".join([names] + [n for o in root.options for n in o.names])
-    lines += [f'    *) COMPREPLY=($(compgen -W "{root_words}" -- "$cur")) ;;', "    esac", "}", "complete -F _epikv epikv", ""]
+    lines += [
+        f'    *) COMPREPLY=($(compgen -W "{root_words}" -- "$cur")) ;;',
+        "    esac",
+        "}",
+        "complete -F _epikv epikv",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -159,11 +174,25 @@ def _zsh_spec(o: Opt) -> list[str]:
 
 def zsh_script() -> str:
     root, subs = command_tree()
-    lines = ["#compdef epikv", f"# zsh completion for epikv ({HEADER})", "", "_epikv() {", "    local -a commands", "    commands=("]
+    lines = [
+        "#compdef epikv",
+        f"# zsh completion for epikv ({HEADER})",
+        "",
+        "_epikv() {",
+        "    local -a commands",
+        "    commands=(",
+    ]
     lines += [f"        '{c.name}:{_zsh_escape(c.help.splitlines()[0] if c.help else '')}'" for c in subs]
-    lines += ["    )", "    local curcontext=\"$curcontext\" state line", "    _arguments -C \\"]
+    lines += ["    )", '    local curcontext="$curcontext" state line', "    _arguments -C \\"]
     lines += [f"        {spec} \\" for o in root.options for spec in _zsh_spec(o)]
-    lines += ["        '1: :->command' \\", "        '*:: :->arguments'", '    case $state in', "        command) _describe 'command' commands ;;", "        arguments)", "            case $words[1] in"]
+    lines += [
+        "        '1: :->command' \\",
+        "        '*:: :->arguments'",
+        "    case $state in",
+        "        command) _describe 'command' commands ;;",
+        "        arguments)",
+        "            case $words[1] in",
+    ]
     for cmd in subs:
         lines.append(f"                {cmd.name}) _arguments \\")
         lines += [f"                    {spec} \\" for o in cmd.options for spec in _zsh_spec(o)]
@@ -196,7 +225,9 @@ def fish_script() -> str:
     root, subs = command_tree()
     lines = [f"# fish completion for epikv ({HEADER})", "complete -c epikv -f"]
     for cmd in subs:
-        lines.append(f"complete -c epikv -n __fish_use_subcommand -a {cmd.name} -d {_fish_quote(cmd.help.splitlines()[0])}")
+        lines.append(
+            f"complete -c epikv -n __fish_use_subcommand -a {cmd.name} -d {_fish_quote(cmd.help.splitlines()[0])}"
+        )
     for o in root.options:
         lines += _fish_line(o, "__fish_use_subcommand")
     for cmd in subs:

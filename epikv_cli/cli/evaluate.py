@@ -123,11 +123,21 @@ def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
         low, high = wilson(correct, len(answered))
         speeds = [r["decode_tokens_per_s"] for r in answered if r.get("decode_tokens_per_s")]
         lengths = [r["generated_tokens"] for r in answered]
-        rows.append(EvalRow(
-            config.policy, config.budget.text, len(answered), correct, correct / len(answered) if answered else math.nan,
-            low, high, sum(r["prediction"] is None for r in answered), len(mine) - len(answered),
-            statistics.fmean(lengths) if lengths else None, statistics.fmean(speeds) if speeds else None,
-        ))
+        rows.append(
+            EvalRow(
+                config.policy,
+                config.budget.text,
+                len(answered),
+                correct,
+                correct / len(answered) if answered else math.nan,
+                low,
+                high,
+                sum(r["prediction"] is None for r in answered),
+                len(mine) - len(answered),
+                statistics.fmean(lengths) if lengths else None,
+                statistics.fmean(speeds) if speeds else None,
+            )
+        )
     return rows
 
 
@@ -135,7 +145,13 @@ def evaluate_one(loaded, problem: Problem, config: Config, max_new_tokens: int) 
     """Generate greedily for one problem under one config and judge the answer."""
     ids = protocol_ids(loaded.tokenizer, problem)
     try:
-        generation = Generation(loaded.model, loaded.tokenizer, ids, config.settings(ids.shape[1]), SamplingSettings(max_new_tokens=max_new_tokens))
+        generation = Generation(
+            loaded.model,
+            loaded.tokenizer,
+            ids,
+            config.settings(ids.shape[1]),
+            SamplingSettings(max_new_tokens=max_new_tokens),
+        )
         for _ in generation:
             pass
     except UsageError as error:  # e.g. a prompt too long for this budget
@@ -151,7 +167,9 @@ def evaluate_batched(loaded, work: list[tuple[Problem, Config]], max_new_tokens:
     for index, (problem, config) in enumerate(work):
         ids = protocol_ids(loaded.tokenizer, problem)
         requests.append(Request(index, ids, config.settings(ids.shape[1]), sampling))
-    for index, outcome in BatchedGeneration(loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]):
+    for index, outcome in BatchedGeneration(
+        loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]
+    ):
         yield judged(*work[index], outcome)
 
 
@@ -163,9 +181,16 @@ def judged(problem: Problem, config: Config, result) -> dict:
     prediction = model_answer(result.text)
     reference = reference_answer(problem.answer)
     return {
-        **record, "reference": reference, "prediction": prediction, "correct": is_correct(prediction, reference),
-        "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens, "stop_reason": result.stop_reason,
-        "decode_tokens_per_s": result.decode_tokens_per_s, "text": result.text, "error": None,
+        **record,
+        "reference": reference,
+        "prediction": prediction,
+        "correct": is_correct(prediction, reference),
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": result.generated_tokens,
+        "stop_reason": result.stop_reason,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "text": result.text,
+        "error": None,
     }
 
 
@@ -173,17 +198,29 @@ def _key(record: dict) -> str:
     return json.dumps([record["id"], record["policy"], record["budget"]])
 
 
-def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tokens: int, files, ranks, quiet: bool = False,
-             batch_size: int = 1) -> tuple[list[dict], int]:
+def run_eval(
+    loaded,
+    problems: list[Problem],
+    configs: list[Config],
+    max_new_tokens: int,
+    files,
+    ranks,
+    quiet: bool = False,
+    batch_size: int = 1,
+) -> tuple[list[dict], int]:
     """Every problem x config not yet in the output; returns all records and the exit status."""
-
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     previous = read_results(files.output) if files.resume and files.output is not None else []
     if ranks.is_main and files.output is not None and not files.resume:
         files.output.write_text("", encoding="utf-8")
     done = {_key(r) for r in previous if r.get("error") is None}
-    work = [(p, c) for p in problems for c in configs if _key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) not in done]
+    work = [
+        (p, c)
+        for p in problems
+        for c in configs
+        if _key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) not in done
+    ]
     mine = ranks.shard(work)
     records = list(previous)
     interrupted = False
@@ -210,7 +247,10 @@ def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tok
         interrupted = True
     except PeerFailed:
         ranks.close()
-        print(f"epikv: rank {ranks.rank}: another process of this launch stopped early; rerun with --resume", file=sys.stderr)
+        print(
+            f"epikv: rank {ranks.rank}: another process of this launch stopped early; rerun with --resume",
+            file=sys.stderr,
+        )
         return records, 1
     finally:
         if writer is not None:
@@ -228,12 +268,21 @@ def run_eval(loaded, problems: list[Problem], configs: list[Config], max_new_tok
     return records, 0
 
 
-def eval_command(model_settings, dataset: str, field: str | None, answer_field: str, limit: int | None, offset: int,
-                 configs: list[Config], max_new_tokens: int, files, json_output: bool = False, quiet: bool = False,
-                 batch_size: int = 1) -> int:
+def eval_command(
+    model_settings,
+    dataset: str,
+    field: str | None,
+    answer_field: str,
+    limit: int | None,
+    offset: int,
+    configs: list[Config],
+    max_new_tokens: int,
+    files,
+    json_output: bool = False,
+    quiet: bool = False,
+    batch_size: int = 1,
+) -> int:
     """``epikv eval``: load, run every problem x config, print the accuracy table (or ``--json``)."""
-
-
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -242,26 +291,45 @@ def eval_command(model_settings, dataset: str, field: str | None, answer_field: 
     if dataset in HUB_DATASETS and not Path(dataset).exists():
         problems = load_hub_dataset(dataset, limit, offset)
     else:
-        problems = load_problems(Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset, option="--dataset")
+        problems = load_problems(
+            Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset, option="--dataset"
+        )
     missing = next((p for p in problems if p.answer is None), None)
     if missing is not None:
-        raise UsageError(f"{dataset}:{missing.line}: no '{answer_field}' field; name the reference answer's field with --answer-field")
+        raise UsageError(
+            f"{dataset}:{missing.line}: no '{answer_field}' field; name the reference answer's field with "
+            "--answer-field"
+        )
     ranks = Ranks.from_env()
     if ranks.world > 1 and files.output is None:
         raise UsageError("several processes need --output FILE.jsonl to write one merged result")
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
     loaded = load(placed, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    records, code = run_eval(loaded, problems, configs, max_new_tokens, files, ranks, quiet=quiet, batch_size=batch_size)
+    records, code = run_eval(
+        loaded, problems, configs, max_new_tokens, files, ranks, quiet=quiet, batch_size=batch_size
+    )
     if not ranks.is_main:
         return code
     rows = summarise([r for r in records if "policy" in r], configs)
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
-        print(json.dumps({"model": model_name, "dataset": dataset, "problems": len(problems), "max_new_tokens": max_new_tokens,
-                          "results": [r.to_dict() for r in rows]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": model_name,
+                    "dataset": dataset,
+                    "problems": len(problems),
+                    "max_new_tokens": max_new_tokens,
+                    "results": [r.to_dict() for r in rows],
+                }
+            ),
+            flush=True,
+        )
     else:
-        title = (f"{model_name} on {dataset}: {len(problems)} problems, greedy, {max_new_tokens} new tokens at most; "
-                 "accuracy with its 95% Wilson interval")
+        title = (
+            f"{model_name} on {dataset}: {len(problems)} problems, greedy, {max_new_tokens} new tokens at most; "
+            "accuracy with its 95% Wilson interval"
+        )
         wide_console().print(eval_table(rows, title))
     return code

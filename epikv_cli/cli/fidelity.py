@@ -44,7 +44,9 @@ class BudgetSpec:
     def parse(cls, text: str) -> BudgetSpec:
         match = _BUDGET.match(text.strip())
         if match is None:
-            raise UsageError(f"--budgets: {text.strip()!r} is not a budget; give a positive number (128) or +N (prompt + N)")
+            raise UsageError(
+                f"--budgets: {text.strip()!r} is not a budget; give a positive number (128) or +N (prompt + N)"
+            )
         return cls(text.strip(), bool(match.group(1)), int(match.group(2)))
 
     @classmethod
@@ -119,7 +121,9 @@ class Config:
     def settings(self, prompt_len: int) -> CacheSettings:
         name, options = parse_policy_spec(self.policy)
         return check_settings(
-            CacheSettings(budget=None if name == "full" else self.budget.resolve(prompt_len), policy=name, options=options)
+            CacheSettings(
+                budget=None if name == "full" else self.budget.resolve(prompt_len), policy=name, options=options
+            )
         )
 
 
@@ -160,7 +164,12 @@ def kept_age(cache, prompt_len: int) -> float | None:
 
 
 def replay(
-    model, ids: torch.Tensor, configs: list[Config], new_tokens: int, advance=lambda: None, trace: bool = False,
+    model,
+    ids: torch.Tensor,
+    configs: list[Config],
+    new_tokens: int,
+    advance=lambda: None,
+    trace: bool = False,
 ) -> tuple[list[int], list[dict]]:
     """Reference tokens of one prompt and, per config, its agreement with the full cache.
 
@@ -186,7 +195,9 @@ def replay(
         runnable.append((index, settings))
     reference_settings = CacheSettings(budget=None, policy="full")
     with BatchDecoder(model, [reference_settings] + [s for _, s in runnable]) as decoder:
-        logits = torch.stack([decoder.add(ids, reference_settings, total)] + [decoder.add(ids, s, total) for _, s in runnable])
+        logits = torch.stack(
+            [decoder.add(ids, reference_settings, total)] + [decoder.add(ids, s, total) for _, s in runnable]
+        )
         agreements = [Agreement(trace=[] if trace else None) for _ in runnable]
         tokens: list[int] = []
         for step in range(new_tokens):
@@ -233,7 +244,9 @@ def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
     rows = []
     for config in configs:
         found = [
-            r for record in records for r in record["results"]
+            r
+            for record in records
+            for r in record["results"]
             if r["policy"] == config.policy and r["budget"] == config.budget.text and "error" not in r
         ]
         values = {}
@@ -245,12 +258,17 @@ def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
 
 
 def run_fidelity(
-    loaded, problems: list[Problem], configs: list[Config], new_tokens: int, output: Path | None, resume: bool,
-    quiet: bool = False, trace: bool = False,
+    loaded,
+    problems: list[Problem],
+    configs: list[Config],
+    new_tokens: int,
+    output: Path | None,
+    resume: bool,
+    quiet: bool = False,
+    trace: bool = False,
 ) -> tuple[list[SummaryRow], int]:
     """Replay every problem (skipping those already in ``output`` with ``resume``); return the summary and exit
     status. ``trace``: each record also holds the reference token ids and every position's KL per config."""
-
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     previous = read_results(output) if resume and output is not None else []
@@ -267,10 +285,16 @@ def run_fidelity(
             for problem in todo:
                 ids = protocol_ids(loaded.tokenizer, problem)
                 progress.update(task, status=f"prompt {problem.id} ({ids.shape[1]} tokens)")
-                tokens, results = replay(loaded.model, ids, configs, new_tokens, lambda: progress.advance(task), trace=trace)
+                tokens, results = replay(
+                    loaded.model, ids, configs, new_tokens, lambda: progress.advance(task), trace=trace
+                )
                 record = {
-                    "id": problem.id, "line": problem.line, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens,
-                    "reference_repeats": repeated_ngram_share(ids[0].tolist(), tokens), "results": results,
+                    "id": problem.id,
+                    "line": problem.line,
+                    "prompt_tokens": ids.shape[1],
+                    "new_tokens": new_tokens,
+                    "reference_repeats": repeated_ngram_share(ids[0].tolist(), tokens),
+                    "results": results,
                 }
                 if trace:
                     record["reference_tokens"] = tokens
@@ -299,20 +323,30 @@ def check_configs(policies: str, budgets: str) -> list[Config]:
     if len(set(names)) != len(names):
         raise UsageError(f"--policies lists a policy twice: {','.join(names)}")
     specs = BudgetSpec.parse_list(budgets)
-    return [config for name in names for config in ([Config(name, NO_BUDGET)] if name == "full" else [Config(name, s) for s in specs])]
+    return [
+        config
+        for name in names
+        for config in ([Config(name, NO_BUDGET)] if name == "full" else [Config(name, s) for s in specs])
+    ]
 
 
 def summary_json(model_name: str, new_tokens: int, prompts: int, rows: list[SummaryRow]) -> str:
-    return json.dumps({"model": model_name, "new_tokens": new_tokens, "prompts": prompts, "results": [r.to_dict() for r in rows]})
-
+    return json.dumps(
+        {"model": model_name, "new_tokens": new_tokens, "prompts": prompts, "results": [r.to_dict() for r in rows]}
+    )
 
 
 def fidelity_command(
-    model_settings, files, problems_from, configs: list[Config], new_tokens: int, json_output: bool = False, quiet: bool = False,
+    model_settings,
+    files,
+    problems_from,
+    configs: list[Config],
+    new_tokens: int,
+    json_output: bool = False,
+    quiet: bool = False,
     trace: bool = False,
 ) -> int:
     """``epikv fidelity``: load once, replay every problem, print the table (or ``--json``)."""
-
 
     if new_tokens < 1:
         raise UsageError(f"--new-tokens must be at least 1, got {new_tokens}")
@@ -321,7 +355,9 @@ def fidelity_command(
     problems = problems_from()
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    rows, code = run_fidelity(loaded, problems, configs, new_tokens, files.output, files.resume, quiet=quiet, trace=trace)
+    rows, code = run_fidelity(
+        loaded, problems, configs, new_tokens, files.output, files.resume, quiet=quiet, trace=trace
+    )
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
         print(summary_json(model_name, new_tokens, len(problems), rows), flush=True)

@@ -65,7 +65,10 @@ def read_prompt(prompt: str | None, warn) -> str:
         stream = sys.stdin
         prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
         if not prompt.strip():
-            raise UsageError("stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an argument")
+            raise UsageError(
+                "stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an "
+                "argument"
+            )
     text, replaced = decode_text(prompt)
     if replaced:
         warn("the prompt is not valid UTF-8; the bytes that could not be read became U+FFFD")
@@ -117,8 +120,11 @@ def run_generate(
         live = None
         if use_panel:
             state = PanelState(
-                budget=cache.budget, prompt_ids=input_ids[0].tolist(), has_scores=generation.policy_has_scores,
-                spike_threshold=spike_threshold, per_head=generation.policy_per_head,
+                budget=cache.budget,
+                prompt_ids=input_ids[0].tolist(),
+                has_scores=generation.policy_has_scores,
+                spike_threshold=spike_threshold,
+                per_head=generation.policy_per_head,
             )
             view = PanelView(state, loaded.tokenizer)
             device = input_device(loaded.model)

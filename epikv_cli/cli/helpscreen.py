@@ -95,11 +95,17 @@ def render_help(ctx, command) -> str:
         parts += [Text(inspect.cleandoc(command.help).split("\n\n")[0].replace("\n", " ")), Text("")]
 
     params = [p for p in command.get_params(ctx) if not getattr(p, "hidden", False)]
-    arguments = [(Text(p.name.upper(), style=NAME_STYLE), Text((getattr(p, "help", None) or "").strip())) for p in params if p.param_type_name == "argument"]
+    arguments = [
+        (Text(p.name.upper(), style=NAME_STYLE), Text((getattr(p, "help", None) or "").strip()))
+        for p in params
+        if p.param_type_name == "argument"
+    ]
     panels: dict[str, list[tuple[Text, Text]]] = {}
     for p in params:
         if p.param_type_name == "option":
-            panels.setdefault(getattr(p, "rich_help_panel", None) or "Options", []).append((option_names(p), option_help(p)))
+            panels.setdefault(getattr(p, "rich_help_panel", None) or "Options", []).append(
+                (option_names(p), option_help(p))
+            )
     commands = []
     if hasattr(command, "list_commands"):
         for name in command.list_commands(ctx):

@@ -56,7 +56,6 @@ def parse_memory(text: str) -> int:
 def available_memory(cuda: bool) -> int:
     """Bytes this machine can give a new process now: free GPU memory, or MemAvailable."""
     if cuda:
-
         return torch.cuda.mem_get_info()[0]
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -101,8 +100,11 @@ class ProbeWorker:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "epikv_cli.maxcontext"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True,
+            [sys.executable, "-m", "epikv_cli.maxcontext"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         self._send(self.setup)
         ready = self.process.stdout.readline()
@@ -185,7 +187,6 @@ def search(probe, start: int = START_TOKENS, ceiling: int = MAX_TOKENS) -> tuple
 def _cap_memory(limit: int, cuda: bool) -> None:
     """Make allocations beyond ``limit`` fail in this process instead of waking the OOM killer."""
     if cuda:
-
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), 0)
         return
@@ -203,7 +204,9 @@ def _prefill(loaded, ids, cache, kernel: str | None, limit: int) -> ProbeResult:
     length = ids.shape[1]
     try:
         with attention_kernel(loaded.model, kernel):
-            generation = Generation(loaded.model, loaded.tokenizer, ids, cache, SamplingSettings(max_new_tokens=1, ignore_eos=True))
+            generation = Generation(
+                loaded.model, loaded.tokenizer, ids, cache, SamplingSettings(max_new_tokens=1, ignore_eos=True)
+            )
             for _ in generation:
                 pass
         peak = generation.result.prefill_peak_memory_bytes
@@ -214,7 +217,6 @@ def _prefill(loaded, ids, cache, kernel: str | None, limit: int) -> ProbeResult:
 
 def _worker() -> None:  # pragma: no cover - runs in the child process (tested through run_max_context)
 
-
     setup = json.loads(sys.stdin.readline())
     try:
         loaded = load(ModelSettings(**setup["model"]))
@@ -224,7 +226,10 @@ def _worker() -> None:  # pragma: no cover - runs in the child process (tested t
         print(json.dumps({"error": str(error).splitlines()[0][:300]}), flush=True)
         return
     text_config = loaded.model.config.get_text_config(decoder=True)
-    print(json.dumps({"attn": loaded.attn, "max_positions": getattr(text_config, "max_position_embeddings", None)}), flush=True)
+    print(
+        json.dumps({"attn": loaded.attn, "max_positions": getattr(text_config, "max_position_embeddings", None)}),
+        flush=True,
+    )
     for line in sys.stdin:
         length = json.loads(line)["length"]
         ids = prompt_ids(loaded.tokenizer, length)
@@ -272,7 +277,9 @@ def run_max_context(model_settings, runs, limit: int, progress=lambda text: None
         finally:
             worker.close()
         peak = max((p.peak_memory_bytes for p in probes if p.ok and p.length == length), default=0)
-        results.append(MaxContext(run.policy, kernel or worker.attn, length, peak, length >= ceiling, [asdict(p) for p in probes]))
+        results.append(
+            MaxContext(run.policy, kernel or worker.attn, length, peak, length >= ceiling, [asdict(p) for p in probes])
+        )
     return results
 
 
@@ -280,9 +287,10 @@ if __name__ == "__main__":  # pragma: no cover
     _worker()
 
 
-def max_context_command(model_settings, runs, limit_text: str | None, json_output: bool = False, quiet: bool = False) -> int:
+def max_context_command(
+    model_settings, runs, limit_text: str | None, json_output: bool = False, quiet: bool = False
+) -> int:
     """``epikv profile --max-context``: search, then a table (or ``--json``) with ratios to the first policy."""
-
 
     if limit_text is None:
         raise UsageError("--max-context needs --memory-limit, e.g. --memory-limit 16GiB")
@@ -294,8 +302,14 @@ def max_context_command(model_settings, runs, limit_text: str | None, json_outpu
     rows = [{**asdict(r), "ratio": round(r.max_prompt_tokens / first, 3) if first else None} for r in results]
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
-        print(json.dumps({"model": model_name, "layers": model_settings.layers, "memory_limit_bytes": limit, "results": rows}), flush=True)
+        print(
+            json.dumps(
+                {"model": model_name, "layers": model_settings.layers, "memory_limit_bytes": limit, "results": rows}
+            ),
+            flush=True,
+        )
     else:
-        Console(highlight=False).print(max_context_table(rows, f"{model_name}: longest prefill within {limit / 2**30:.2f} GiB"))
+        Console(highlight=False).print(
+            max_context_table(rows, f"{model_name}: longest prefill within {limit / 2**30:.2f} GiB")
+        )
     return 0
-

@@ -62,7 +62,9 @@ class PolicyRun:
         spec, _, kernel = text.strip().partition("@")
         policy, options = parse_policy_spec(spec)
         if kernel and kernel not in KERNELS:
-            raise UsageError(f"--policies: unknown kernel {kernel!r} in {text.strip()!r}; use one of {', '.join(KERNELS)}")
+            raise UsageError(
+                f"--policies: unknown kernel {kernel!r} in {text.strip()!r}; use one of {', '.join(KERNELS)}"
+            )
         return cls(policy, kernel or None, options, spec.strip())
 
 
@@ -88,7 +90,9 @@ class ProfileSettings:
         if self.repeats < 1:
             raise UsageError(f"--repeats must be at least 1, got {self.repeats}")
         if self.new_tokens < MIN_NEW_TOKENS:
-            raise UsageError(f"--new-tokens must be at least {MIN_NEW_TOKENS} (flatness compares quarters), got {self.new_tokens}")
+            raise UsageError(
+                f"--new-tokens must be at least {MIN_NEW_TOKENS} (flatness compares quarters), got {self.new_tokens}"
+            )
         if self.prompt_tokens < 1:
             raise UsageError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
         if self.budget < 1:
@@ -174,7 +178,9 @@ def measure(
     with attention_kernel(model, run.kernel):
         if batch_size > 1:
             return measure_batch(model, ids, cache, new_tokens, batch_size)
-        generation = Generation(model, tokenizer, ids, cache, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True))
+        generation = Generation(
+            model, tokenizer, ids, cache, SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)
+        )
         elapsed = [event.elapsed for event in generation]
     result = generation.result
     return RunMeasure(
@@ -280,16 +286,28 @@ class PolicyReport:
         return asdict(self)
 
 
-def run_profile(model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, advance=lambda label: None) -> list[PolicyReport]:
+def run_profile(
+    model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, advance=lambda label: None
+) -> list[PolicyReport]:
     """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run."""
     settings.check_budgets()
     for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
-        measure(model, tokenizer, ids, run, settings.cache_for(run), min(WARMUP_TOKENS, settings.new_tokens), settings.batch_size)
+        measure(
+            model,
+            tokenizer,
+            ids,
+            run,
+            settings.cache_for(run),
+            min(WARMUP_TOKENS, settings.new_tokens),
+            settings.batch_size,
+        )
         advance(f"warm-up {run.label}")
     measured: dict[str, list[RunMeasure]] = {run.label: [] for run in settings.runs}
     for _ in range(settings.repeats):
         for run in settings.runs:
-            measured[run.label].append(measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size))
+            measured[run.label].append(
+                measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size)
+            )
             advance(run.label)
     reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items()]
     for report in reports:
@@ -298,11 +316,13 @@ def run_profile(model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, 
 
 
 def profile_command(
-    model_settings, settings: ProfileSettings, prompt_file: Path | None = None, json_output: bool = False, quiet: bool = False
+    model_settings,
+    settings: ProfileSettings,
+    prompt_file: Path | None = None,
+    json_output: bool = False,
+    quiet: bool = False,
 ) -> int:
     """``epikv profile``: load once, measure, print a table (or ``--json``); return the exit status."""
-
-
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     settings.check_budgets()  # before the model loads
@@ -311,14 +331,21 @@ def profile_command(
     total = len(settings.runs) * (settings.repeats + 1)
     with progress_bar(err, disable=quiet, transient=True) as progress:
         task = progress.add_task("profile", total=total, status="")
-        reports = run_profile(loaded.model, loaded.tokenizer, settings, ids, lambda label: progress.update(task, advance=1, status=label))
+        reports = run_profile(
+            loaded.model, loaded.tokenizer, settings, ids, lambda label: progress.update(task, advance=1, status=label)
+        )
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if model_settings.layers:
         model_name += f" ({model_settings.layers} layers)"
     if json_output:
         report = {
-            "model": model_name, "budget": settings.budget, "prompt_tokens": settings.prompt_tokens,
-            "new_tokens": settings.new_tokens, "repeats": settings.repeats, "batch_size": settings.batch_size, "attn": loaded.attn,
+            "model": model_name,
+            "budget": settings.budget,
+            "prompt_tokens": settings.prompt_tokens,
+            "new_tokens": settings.new_tokens,
+            "repeats": settings.repeats,
+            "batch_size": settings.batch_size,
+            "attn": loaded.attn,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
             "device": str(next(loaded.model.parameters()).device),
             "results": [r.to_dict() for r in reports],
@@ -327,7 +354,8 @@ def profile_command(
     else:
         title = (
             f"{model_name}: budget {settings.budget}, prompt {settings.prompt_tokens} tokens, {settings.new_tokens} new"
-            + (f" x {settings.batch_size} rows decoded together (tok/s: all rows)" if settings.batch_size > 1 else "") + ", "
+            + (f" x {settings.batch_size} rows decoded together (tok/s: all rows)" if settings.batch_size > 1 else "")
+            + ", "
             f"median of {settings.repeats} runs; × is the ratio to {reports[0].policy}; peak memory is "
             f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
         )

@@ -139,10 +139,17 @@ class PanelView:
         speed = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "…"
         memory = f"{s.memory_bytes / 2**20:.0f} MiB peak" if s.memory_bytes else "…"
         lines = Text.assemble(
-            ("stored         ", "bold"), stored, "\n",
-            ("logical length ", "bold"), str(s.seen), "\n",
-            ("evicted        ", "bold"), self._evicted_line(), "\n",
-            ("decode         ", "bold"), f"{speed}   {memory}",
+            ("stored         ", "bold"),
+            stored,
+            "\n",
+            ("logical length ", "bold"),
+            str(s.seen),
+            "\n",
+            ("evicted        ", "bold"),
+            self._evicted_line(),
+            "\n",
+            ("decode         ", "bold"),
+            f"{speed}   {memory}",
         )
         return Panel(lines, title="cache", title_align="left", border_style="blue")
 
@@ -160,7 +167,9 @@ class PanelView:
         if not len(self.state.spans):
             nothing = "no position evicted by every KV head yet" if self.state.per_head else "nothing evicted yet"
             lines.append("\n" + " " * 13 + "  " + nothing, style="dim")
-        title = "spans evicted by every KV head (newest first)" if self.state.per_head else "evicted spans (newest first)"
+        title = (
+            "spans evicted by every KV head (newest first)" if self.state.per_head else "evicted spans (newest first)"
+        )
         return Panel(lines, title=title, title_align="left", border_style="magenta")
 
     def scores_panel(self) -> Panel:
@@ -180,7 +189,12 @@ class PanelView:
             rows.append(Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
         if s.bands:
             rows.append(Text(f"bands {s.bands}", style="dim"))
-        return Panel(Group(*rows), title=f"epiphany scores (spikes: z > {s.spike_threshold:g})", title_align="left", border_style="red")
+        return Panel(
+            Group(*rows),
+            title=f"epiphany scores (spikes: z > {s.spike_threshold:g})",
+            title_align="left",
+            border_style="red",
+        )
 
     def render(self, with_text: bool = True) -> Group:
         parts: list[RenderableType] = [self.text_panel()] if with_text else []
@@ -203,7 +217,9 @@ class LivePanel:
         self.state = state
         self.view = view
         self.memory_probe = memory_probe
-        self._live = Live(console=console, auto_refresh=False, transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._live = Live(
+            console=console, auto_refresh=False, transient=True, redirect_stdout=False, redirect_stderr=False
+        )
         self._last_draw = 0.0
         self._interval = 1.0 / MAX_REFRESH_PER_S
         self.draws = 0
@@ -270,17 +286,27 @@ def max_context_table(rows: list[dict], title: str) -> Table:
         table.add_column(name, justify="left" if name in ("policy", "kernel") else "right", no_wrap=True)
     for row in rows:
         table.add_row(
-            row["policy"], row["kernel"],
-            f"≥ {row['max_prompt_tokens']:,} (model limit)" if row["reached_model_limit"] else f"{row['max_prompt_tokens']:,}",
+            row["policy"],
+            row["kernel"],
+            f"≥ {row['max_prompt_tokens']:,} (model limit)"
+            if row["reached_model_limit"]
+            else f"{row['max_prompt_tokens']:,}",
             _mib(row["peak_memory_bytes"]),
-            f"{row['ratio']:.2f}" if row["ratio"] is not None else "–", str(len(row["probes"])),
+            f"{row['ratio']:.2f}" if row["ratio"] is not None else "–",
+            str(len(row["probes"])),
         )
     return table
 
 
 def progress_bar(console: Console, disable: bool = False, transient: bool = False, eta: bool = False) -> Progress:
     """The progress bar of batch files, ``profile`` and ``fidelity`` on stderr (``eta``: time remaining too)."""
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+    ]
     if eta:
         columns.append(TimeRemainingColumn())
     return Progress(*columns, console=console, disable=disable, transient=transient)
@@ -323,8 +349,13 @@ def eval_table(rows, title: str) -> Table:
         table.add_column(name, justify="left" if name in ("policy", "budget") else "right", no_wrap=True)
     for r in rows:
         table.add_row(
-            r.policy, r.budget, f"{r.accuracy:.3f}" if r.problems else "–", f"{r.low:.2f}–{r.high:.2f}" if r.problems else "–",
-            f"{r.correct}/{r.problems}", str(r.no_answer), str(r.errors),
+            r.policy,
+            r.budget,
+            f"{r.accuracy:.3f}" if r.problems else "–",
+            f"{r.low:.2f}–{r.high:.2f}" if r.problems else "–",
+            f"{r.correct}/{r.problems}",
+            str(r.no_answer),
+            str(r.errors),
             f"{r.mean_generated_tokens:.0f}" if r.mean_generated_tokens is not None else "–",
             f"{r.mean_tokens_per_s:.1f}" if r.mean_tokens_per_s is not None else "–",
         )
@@ -359,7 +390,9 @@ def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: s
     for layer, value in enumerate(rho):
         bar = "█" * int(round(12 * abs(value) / scale))
         table.add_row(
-            str(layer), f"{value:+.3f}", Text(bar, style="green" if value > 0 else "red"),
+            str(layer),
+            f"{value:+.3f}",
+            Text(bar, style="green" if value > 0 else "red"),
             f"{chosen[layer]:+.0f}" if layer in chosen else "",
         )
     return table

@@ -129,7 +129,12 @@ class QueryRing:
         """Store ``query`` ``[batch, heads, q, head_dim]`` (q = 1 in decode steps, the prompt at a prefill)."""
         buffer = self._buffer
         # the decode step's path, taken once per layer and step: as few Python lines as it can be
-        if query.shape[2] == 1 and buffer is not None and query.shape[0] == buffer.shape[0] and not torch.compiler.is_compiling():
+        if (
+            query.shape[2] == 1
+            and buffer is not None
+            and query.shape[0] == buffer.shape[0]
+            and not torch.compiler.is_compiling()
+        ):
             self._pending.append(query)
             self._unsettled += 1
             return
@@ -269,7 +274,10 @@ def attention_rows(
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     elif q_len > 1:
         first = rows.start or 0
-        visible = torch.arange(n, device=key.device)[None, :] <= (n - q_len + first + torch.arange(r, device=key.device))[:, None]
+        visible = (
+            torch.arange(n, device=key.device)[None, :]
+            <= (n - q_len + first + torch.arange(r, device=key.device))[:, None]
+        )
         scores = scores.masked_fill(~visible, -math.inf)
     return torch.softmax(scores, dim=-1)
 

@@ -205,8 +205,13 @@ class BudgetLayer(CacheLayerMixin):
         self.capacity = capacity
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, plan: WritePlan | None = None,
-        head_index: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs,
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args,
+        plan: WritePlan | None = None,
+        head_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv_heads, q, head_dim]`` new states where ``plan`` says (default: after the used
         slots), or one token into each KV head's own slot (a granular keep-set's vacancies): ``head_index``
@@ -238,7 +243,9 @@ class BudgetLayer(CacheLayerMixin):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def move(self, holes: torch.Tensor, movers: torch.Tensor, new_length: int) -> None:
-        """Copy slots ``movers`` into ``holes`` (both ``[m]`` int64 on this layer's device) and shrink to ``new_length``."""
+        """Copy slots ``movers`` into ``holes`` (both ``[m]`` int64 on this layer's device) and shrink to
+        ``new_length``.
+        """
         if holes.numel():
             self.keys.index_copy_(2, holes, self.keys.index_select(2, movers))
             self.values.index_copy_(2, holes, self.values.index_select(2, movers))
@@ -251,7 +258,9 @@ class BudgetLayer(CacheLayerMixin):
         self.length = new_length
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The used ``[1, kv_heads, used, head_dim]`` keys and values (slot order; all live while a forward's policy runs)."""
+        """The used ``[1, kv_heads, used, head_dim]`` keys and values (slot order; all live while a forward's
+        policy runs).
+        """
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int, free: bool = False) -> tuple[int, int]:
@@ -325,7 +334,9 @@ class BudgetCache(Cache):
         self.budget = budget
         self.compressed_positions = compressed_positions
         self.granular = granular
-        self.head_slots: HeadSlots | None = None  # granular policies: per (layer, KV head) positions, made at the first write
+        self.head_slots: HeadSlots | None = (
+            None  # granular policies: per (layer, KV head) positions, made at the first write
+        )
         self.table = SlotTable(HEADROOM, track=not granular)
         layers: list = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
@@ -386,7 +397,9 @@ class BudgetCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @staticmethod
-    def _scatter_index(slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _scatter_index(
+        slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each evicting layer's ``scatter_`` indices along the slot dimension, for keys and values, from the
         ``[layers, kv_heads]`` slots (expanded views of one tensor, made once for every layer)."""
         layers, heads = slots.shape
@@ -477,7 +490,9 @@ class BudgetCache(Cache):
         else:  # (a forward's append always fills or closes the vacancies, so none is open here)
             with torch.inference_mode():
                 self._apply_head_moves(self.head_slots.plan(victims.slots, stored))
-        self.table.plan_eviction(list(range(stored - count, stored)))  # the counts; a single one leaves the last slot free
+        self.table.plan_eviction(
+            list(range(stored - count, stored))
+        )  # the counts; a single one leaves the last slot free
         for layer in self.budget_layers:
             layer.length = self.table.used
         self.evicted_total += count
@@ -536,4 +551,3 @@ class BudgetCache(Cache):
                 total += layer.keys.numel() * layer.keys.element_size()
                 total += layer.values.numel() * layer.values.element_size()
         return total
-

@@ -88,7 +88,9 @@ class HeadMoves:
             tensor[:, : order.shape[1]] = torch.gather(tensor, 1, index)
             return
         # (a copy of the last entries: a head whose victim is its last slot writes onto what it reads)
-        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[:, self.last].clone()
+        tensor[self._heads(tensor.shape[0], tensor.device), self.victims[layer].to(tensor.device)] = tensor[
+            :, self.last
+        ].clone()
 
 
 class HeadSlots:
@@ -189,7 +191,9 @@ class HeadSlots:
             return keys.argmin(dim=-1, keepdim=True)
         return torch.topk(keys, count, dim=-1, largest=False, sorted=True).indices
 
-    def release(self, victims: torch.Tensor, stored: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def release(
+        self, victims: torch.Tensor, stored: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the ``victims`` ``[layers, heads, count]`` out of :attr:`holders`; return their positions
         ``[n]`` and whether each is now held nowhere ``[n]`` (both on the device, for one host read).
         ``positions``: the victims' ``[layers, heads, count]`` positions, when known already."""
@@ -221,7 +225,6 @@ class HeadSlots:
         return float((seen - generated).float().mean()) if generated.numel() else None
 
 
-
 class Shortlist:
     """Each (layer, head)'s victims until the next refresh, decided when the list is built, so that a step
     between refreshes only reads its own (no search of K, no kernel). Scores are frozen between refreshes
@@ -241,18 +244,32 @@ class Shortlist:
 
     @classmethod
     def build(
-        cls, slots: HeadSlots, scores: torch.Tensor, candidates: torch.Tensor, window_start: torch.Tensor, floor: int,
-        stored: int, period: int, seen: int,
+        cls,
+        slots: HeadSlots,
+        scores: torch.Tensor,
+        candidates: torch.Tensor,
+        window_start: torch.Tensor,
+        floor: int,
+        stored: int,
+        period: int,
+        seen: int,
     ) -> Shortlist:
         """From ``scores`` and ``candidates`` ``[layers, heads, stored]``, with the recent window of each
         layer starting at ``window_start`` ``[layers, 1, 1]`` at logical length ``seen`` (its oldest tokens are
         the next candidates): the victims of this step and the ``period`` after it."""
         positions = slots.live(stored)
         # this step's victim and up to `period` picks come from the lowest current candidates
-        low = torch.topk(order_keys(scores, positions).masked_fill_(~candidates, _LAST), min(period + 1, stored), dim=-1, largest=False)
+        low = torch.topk(
+            order_keys(scores, positions).masked_fill_(~candidates, _LAST),
+            min(period + 1, stored),
+            dim=-1,
+            largest=False,
+        )
         upcoming = (positions >= window_start) & (positions < window_start + period) & (positions >= floor)
         soon = torch.topk(positions.masked_fill(~upcoming, _LAST), min(period, stored), dim=-1, largest=False)
-        soon_keys = order_keys(torch.gather(scores, -1, soon.indices), soon.values).masked_fill_(soon.values == _LAST, _LAST)
+        soon_keys = order_keys(torch.gather(scores, -1, soon.indices), soon.values).masked_fill_(
+            soon.values == _LAST, _LAST
+        )
         listed = torch.cat([low.indices, soon.indices], dim=-1)
         listed_positions = torch.gather(positions, -1, listed)
         keys = torch.cat([low.values, soon_keys], dim=-1)
@@ -266,7 +283,9 @@ class Shortlist:
         return cls(torch.gather(listed, -1, order), torch.gather(listed_positions, -1, order), seen)
 
     def pick(self, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[layers, heads, 1]`` slots and positions of each (layer, head)'s victim at logical length ``seen`` (views)."""
+        """``[layers, heads, 1]`` slots and positions of each (layer, head)'s victim at logical length ``seen``
+        (views).
+        """
         step = seen - self.first
         if not 0 <= step < self.slots.shape[-1]:
             raise RuntimeError(f"a short list built at length {self.first} holds no victim for length {seen}")

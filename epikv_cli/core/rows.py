@@ -7,8 +7,9 @@ single entry it evicted (per KV head, for a granular keep-set), which its next t
 steady state no entry moves. Rows join already prefilled (a single-sequence session hands over
 its cache, policy state and queries) and leave when their sequence ends, so the batch can be kept
 full from a queue; or a whole left-padded batch is prefilled at once (``model.generate`` with a
-batch), after which each row's entries are moved to the front of its slots and the padding dropped. Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry
-leaves once a row holds ``window - 1``.
+batch), after which each row's entries are moved to the front of its slots and the padding dropped.
+Sliding-window layers (Gemma 3's local layers) are rows too: the oldest entry leaves once a row holds
+``window - 1``.
 
 Each step every row takes one token; the policies see each row through a :class:`RowView`, which
 looks to them exactly like a single-sequence :class:`~epikv_cli.cache.BudgetCache`.
@@ -17,6 +18,7 @@ looks to them exactly like a single-sequence :class:`~epikv_cli.cache.BudgetCach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
@@ -26,7 +28,9 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.core.cache import BudgetCache, BudgetLayer, SlotTable
 from epikv_cli.core.keepsets import HeadSlots, HeadVictims
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import Policy
+
+if TYPE_CHECKING:
+    from epikv_cli.policies.base import Policy
 
 FULL, SLIDING = "full", "sliding"
 #: Slots allocated beyond a batched prefill's length (then doubling as rows grow).
@@ -91,7 +95,9 @@ class RowsLayer(CacheLayerMixin):
         dim = key_states.shape[-1]
         # one indexed write per buffer: row b's KV head h goes to row (b * kv_heads + h) * capacity + slot
         self.keys.view(-1, dim).index_put_((flat,), key_states[:, :, 0].reshape(-1, dim))
-        self.values.view(-1, self.values.shape[-1]).index_put_((flat,), value_states[:, :, 0].reshape(-1, value_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_put_(
+            (flat,), value_states[:, :, 0].reshape(-1, value_states.shape[-1])
+        )
         return self.keys[:, :, :length], self.values[:, :, :length]
 
     def get_seq_length(self) -> int:
@@ -117,9 +123,13 @@ class RowsCache(Cache):
             elif kind in ("sliding_attention", "chunked_attention"):
                 groups.append(SLIDING)
             else:
-                raise UsageError(f"layer {index} is a {kind!r} layer; batched decoding supports full and sliding attention only")
+                raise UsageError(
+                    f"layer {index} is a {kind!r} layer; batched decoding supports full and sliding attention only"
+                )
         self.groups = groups
-        self.window = next((kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None)
+        self.window = next(
+            (kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None
+        )
         super().__init__(layers=[RowsLayer(group, self) for group in groups])
         self.full_layer_indices = [i for i, group in enumerate(groups) if group == FULL]
         for order, index in enumerate(self.full_layer_indices):
@@ -174,18 +184,31 @@ class RowsCache(Cache):
             if group not in tables:
                 tables[group] = _table_for(source, group, keys.shape[2])
         budget = source.budget
-        row = Row(settings, policy, budget, tables, queries_needed, source.evicted_total, source.peak_stored, heads=source.head_slots)
+        row = Row(
+            settings,
+            policy,
+            budget,
+            tables,
+            queries_needed,
+            source.evicted_total,
+            source.peak_stored,
+            heads=source.head_slots,
+        )
         self.rows.append(row)
         return len(self.rows) - 1
 
     def begin_prefill(self) -> None:
         """The next forward is a whole left-padded batch of prompts, written as it comes (an empty cache only)."""
         if self.rows:
-            raise UsageError("a batch of prompts can only be prefilled into an empty cache; start a new one for the next batch")
+            raise UsageError(
+                "a batch of prompts can only be prefilled into an empty cache; start a new one for the next batch"
+            )
         self.prefilling = True
         self.step_lengths.clear()
 
-    def finish_prefill(self, pads: list[int], settings: list[CacheSettings], policies: list[Policy], queries_needed: list[int]) -> None:
+    def finish_prefill(
+        self, pads: list[int], settings: list[CacheSettings], policies: list[Policy], queries_needed: list[int]
+    ) -> None:
         """Turn the prefilled batch into rows: row ``b``'s real tokens (after its ``pads[b]`` padding) move to
         the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table and policy."""
         self.prefilling = False
@@ -269,7 +292,11 @@ class RowsCache(Cache):
         if group != FULL:
             return
         self.step_head_rows = None
-        vacant = [(index, row.heads.vacant) for index, row in enumerate(self.rows) if row.heads is not None and row.heads.vacant is not None]
+        vacant = [
+            (index, row.heads.vacant)
+            for index, row in enumerate(self.rows)
+            if row.heads is not None and row.heads.vacant is not None
+        ]
         if vacant:
             per_head = grid[None].expand(len(self.full_layer_indices), batch, heads).clone()
             for index, vacancies in vacant:
@@ -345,14 +372,19 @@ class RowsCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes the key and value buffers hold: every row's slots, padding and room to grow included."""
-        return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                   for layer in self.layers if layer.keys is not None)
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            for layer in self.layers
+            if layer.keys is not None
+        )
 
     def kv_bytes(self, row: int) -> int:
         """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
         total = 0
         for group, layer in zip(self.groups, self.layers):
-            per_entry = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            per_entry = (
+                layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            )
             total += per_entry * self.rows[row].tables[group].stored
         return total
 

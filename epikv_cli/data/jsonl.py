@@ -33,7 +33,8 @@ def read_results(path: Path) -> list[dict]:
             record = None
         if not isinstance(record, dict) or not valid_id(record.get("id")):
             raise UsageError(
-                f"--output {path}: line {number} is not an epikv result line; check the file, or use --overwrite to replace it"
+                f"--output {path}: line {number} is not an epikv result line; check the file, or use --overwrite "
+                "to replace it"
             )
         records.append(record)
     return records

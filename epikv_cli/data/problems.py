@@ -71,7 +71,11 @@ def _problem(number: int, data: dict, field: str | None, answer_field: str, sour
 
 
 def load_problems(
-    source: Path, field: str | None = None, answer_field: str = "answer", limit: int | None = None, offset: int = 0,
+    source: Path,
+    field: str | None = None,
+    answer_field: str = "answer",
+    limit: int | None = None,
+    offset: int = 0,
     option: str = "--prompts",
 ) -> list[Problem]:
     """Problems ``offset .. offset + limit`` of ``source`` (plain text or JSONL), blank lines skipped;

@@ -34,7 +34,9 @@ def has_chat_template(tokenizer) -> bool:
 
 def prompt_file_missing(option: str, source) -> UsageError:
     """The error for a prompt file (named by ``option``) that does not exist."""
-    return UsageError(f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file")
+    return UsageError(
+        f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file"
+    )
 
 
 def no_prompts(source) -> UsageError:

@@ -1,4 +1,6 @@
-"""Where a model's calibrated EpiKV bands are kept: ``<cache dir>/bands/<name>-<hash>.json`` (see :func:`bands_path`)."""
+"""Where a model's calibrated EpiKV bands are kept: ``<cache dir>/bands/<name>-<hash>.json`` (see
+:func:`bands_path`).
+"""
 
 from __future__ import annotations
 

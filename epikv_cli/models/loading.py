@@ -75,7 +75,9 @@ def resolve_source(spec: str | None, log=None) -> ModelSource:
         raise UsageError(f"{spec} is neither a model directory nor a .gguf file")
     looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
     if looks_like_path or not _HUB_ID.match(spec):
-        raise UsageError(f"model path not found: {spec}; give an existing directory, a .gguf file, or a Hub id (org/name)")
+        raise UsageError(
+            f"model path not found: {spec}; give an existing directory, a .gguf file, or a Hub id (org/name)"
+        )
     return ModelSource("hub", spec)
 
 
@@ -83,7 +85,9 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def choose_attn(requested: str, *, on_cuda: bool, flash_available: bool, model_type: str, dtype: torch.dtype | None) -> str:
+def choose_attn(
+    requested: str, *, on_cuda: bool, flash_available: bool, model_type: str, dtype: torch.dtype | None
+) -> str:
     """The attention implementation to load with.
 
     ``auto``: eager for architectures that need it, flash_attention_2 when flash-attn is installed and
@@ -93,7 +97,8 @@ def choose_attn(requested: str, *, on_cuda: bool, flash_available: bool, model_t
         raise UsageError(f"--attn must be one of {', '.join(ATTN_CHOICES)}, got {requested!r}")
     if requested == "flash_attention_2" and not (flash_available and on_cuda):
         raise UsageError(
-            "--attn flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install 'epikv[flash]'); use --attn sdpa"
+            "--attn flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install 'epikv[flash]'); "
+            "use --attn sdpa"
         )
     if requested != "auto":
         return requested
@@ -139,7 +144,6 @@ def byte_tokenizer(chat_template: str | None = None, specials: tuple[str, ...] =
 def _random_model(source: ModelSource, settings: ModelSettings) -> LoadedModel:
     """A model with random weights from a known shape or a config.json (speed and memory runs)."""
 
-
     if source.kind == "shape":
         config = shape_config(source.location)
     else:
@@ -149,10 +153,15 @@ def _random_model(source: ModelSource, settings: ModelSettings) -> LoadedModel:
             raise ModelLoadError(f"cannot read the config {source.location}: {_one_line(error)}") from None
     config = cut_layers(config, settings.layers)
     on_cuda = runs_on_cuda(settings.device_map)
-    dtype = getattr(torch, settings.dtype) if settings.dtype != "auto" else (torch.bfloat16 if on_cuda else torch.float32)
+    dtype = (
+        getattr(torch, settings.dtype) if settings.dtype != "auto" else (torch.bfloat16 if on_cuda else torch.float32)
+    )
     attn = choose_attn(
-        settings.attn, on_cuda=on_cuda, flash_available=flash_attn_installed(),
-        model_type=getattr(config, "model_type", ""), dtype=dtype,
+        settings.attn,
+        on_cuda=on_cuda,
+        flash_available=flash_attn_installed(),
+        model_type=getattr(config, "model_type", ""),
+        dtype=dtype,
     )
     config._attn_implementation = attn
     model = random_model(config, dtype, device="cuda" if on_cuda else "cpu")

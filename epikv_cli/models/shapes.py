@@ -13,28 +13,58 @@ from transformers.initialization import no_init_weights
 from epikv_cli.errors import ModelLoadError, UsageError
 
 _LLAMA31_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192, "rope_theta": 500000.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
 }
 _QWEN25_32B = dict(
-    model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-    num_key_value_heads=8, vocab_size=152064, max_position_embeddings=40960, rms_norm_eps=1e-5,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False, tie_word_embeddings=False,
+    model_type="qwen2",
+    hidden_size=5120,
+    intermediate_size=27648,
+    num_hidden_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    vocab_size=152064,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    use_sliding_window=False,
+    tie_word_embeddings=False,
 )
 
 #: name -> config.json fields (``model_type`` picks the architecture).
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters=_LLAMA31_ROPE, tie_word_embeddings=False,
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_LLAMA31_ROPE,
+        tie_word_embeddings=False,
     ),
     "qwen2.5-32b": _QWEN25_32B,
     "qwq-32b": _QWEN25_32B,
     "qwen3-8b": dict(
-        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
     ),
 }
 SHAPES["deepseek-r1-distill-llama-8b"] = SHAPES["llama-3.1-8b"]
@@ -72,7 +102,9 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str = "cp
         with no_init_weights(), torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as error:
-        raise ModelLoadError(f"this config is not a causal language model ({str(error).splitlines()[0][:160]})") from None
+        raise ModelLoadError(
+            f"this config is not a causal language model ({str(error).splitlines()[0][:160]})"
+        ) from None
     generator = torch.Generator().manual_seed(seed)
     pool = (torch.randn(1 << 20, generator=generator) * 0.02).to(device=device, dtype=dtype)
     with torch.no_grad():

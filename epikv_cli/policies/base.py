@@ -138,7 +138,6 @@ class Policy(ABC):
 
         A staged policy does it in its two halves at once (one host read of its own)."""
         if self.staged:
-
             self.settle(signals, host_copies(self.stage(signals)))
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:

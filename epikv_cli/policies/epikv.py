@@ -118,7 +118,9 @@ class EpiKV(ScoredPolicy):
         (``bands=default`` or ``bands=calibrated`` picks one of the last two whatever else is there)."""
         usable = calibration is not None and all(0 <= layer < num_layers for layer, _ in calibration.bands)
         if self.band_source == "calibrated" and not usable:
-            raise UsageError("epikv:bands=calibrated, but this model has no saved calibration; run `epikv calibrate` first")
+            raise UsageError(
+                "epikv:bands=calibrated, but this model has no saved calibration; run `epikv calibrate` first"
+            )
         if self.band_source == "auto" and self.requested_bands:
             pairs, self.bands_source = self.requested_bands, "--bands"
         elif self.band_source == "calibrated" or (self.band_source == "auto" and usable):
@@ -128,7 +130,8 @@ class EpiKV(ScoredPolicy):
         for layer, _ in pairs:
             if not 0 <= layer < num_layers:
                 raise UsageError(
-                    f"band layer {layer} is out of range: the model has {num_layers} decoder layers (0-{num_layers - 1})"
+                    f"band layer {layer} is out of range: the model has {num_layers} decoder layers "
+                    f"(0-{num_layers - 1})"
                 )
         self.bands = [Band(layer, sign, RollingZScore(self.window, self.eps)) for layer, sign in pairs]
 
@@ -136,7 +139,9 @@ class EpiKV(ScoredPolicy):
         return sorted({band.layer for band in self.bands})
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
-        """The appended tokens' hidden-state change per band, ``[bands, q]`` on the model's device (none at the prefill)."""
+        """The appended tokens' hidden-state change per band, ``[bands, q]`` on the model's device (none at the
+        prefill).
+        """
         hidden = signals.hidden
         self.last = []
         if signals.prompt:

@@ -22,8 +22,9 @@ default ``period``: fewer shrink the product, and rank the tokens less well), ``
 keeps every contribution), ``prompt`` (``score`` or ``keep``), and, for ablations, ``signal``:
 ``attention`` (the default), ``epiphany`` (the published EpiKV score under these keep rules) or
 ``none`` (recency alone); ``credit``: how refreshes add up, ``sum`` (the default), ``mean`` (per
-refresh the token was scored in, so that long-kept tokens are not favoured for their age) or ``max`` (the largest single refresh); ``values=1``
-weighs each attention weight by the L2 norm of the value it reads (what the token adds to the output);
+refresh the token was scored in, so that long-kept tokens are not favoured for their age) or ``max`` (the
+largest single refresh); ``values=1`` weighs each attention weight by the L2 norm of the value it reads
+(what the token adds to the output);
 ``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
 token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head of each
 evicting layer keeps its own set, scored by its own attention and chosen on the device, see
@@ -60,8 +61,12 @@ if TYPE_CHECKING:
 
 
 def received_attention(
-    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
-    scaling: float | None = None, values: torch.Tensor | None = None,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[n]``: attention each key receives from the queries, summed over queries, mean over query heads.
 
@@ -78,8 +83,12 @@ def received_attention(
 
 
 def received_by_head(
-    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
-    scaling: float | None = None, values: torch.Tensor | None = None,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[kv_heads, n]``: attention each key of each KV head receives from the queries, summed over
     queries, mean over the query heads that read that KV head (one layer of :func:`received_by_layers`).
@@ -90,7 +99,9 @@ def received_by_head(
         scaling: the layer's softmax scale (default ``dim ** -0.5``).
         values: ``[kv_heads, n, dim]``: weigh each weight by the L2 norm of the value it reads.
     """
-    return received_by_layers([queries], [keys], query_positions, key_positions[None], [scaling], None if values is None else [values])[0]
+    return received_by_layers(
+        [queries], [keys], query_positions, key_positions[None], [scaling], None if values is None else [values]
+    )[0]
 
 
 #: The most bytes of float32 logits a refresh holds at once, by device type: layers are computed together up
@@ -111,16 +122,25 @@ def refresh_chunk_bytes(device: torch.device) -> int:
 
 
 def received_by_layers(
-    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
-    scaling: list[float | None], values: list[torch.Tensor] | None = None,
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: list[float | None],
+    values: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See :func:`refresh_layers`: the attention received alone."""
     return refresh_layers(queries, keys, query_positions, key_positions, scaling, values)[0]
 
 
 def refresh_layers(
-    queries: list[torch.Tensor], keys: list[torch.Tensor], query_positions: torch.Tensor, key_positions: torch.Tensor,
-    scaling: list[float | None], values: list[torch.Tensor] | None = None, far: torch.Tensor | None = None,
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: list[float | None],
+    values: list[torch.Tensor] | None = None,
+    far: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``[layers, kv_heads, n]`` float32 on the first layer's device: per layer, the attention each key of each
     KV head receives from that layer's queries, summed over queries, mean over the query heads that read
@@ -162,8 +182,13 @@ def refresh_layers(
             end += 1
         chunk = slice(start, end)
         part, best = _received_chunk(
-            queries[chunk], keys[chunk], newest.indices[chunk].to(device), bias[chunk].to(device), scaling[chunk],
-            None if values is None else values[chunk], None if far is None else far[..., chunk, :, :].to(device),
+            queries[chunk],
+            keys[chunk],
+            newest.indices[chunk].to(device),
+            bias[chunk].to(device),
+            scaling[chunk],
+            None if values is None else values[chunk],
+            None if far is None else far[..., chunk, :, :].to(device),
         )
         parts.append(part.to(keys[0].device))
         if best is not None:
@@ -172,7 +197,9 @@ def refresh_layers(
     received = parts[0] if len(parts) == 1 else torch.cat(parts)
     if far is None:
         return received, None, None
-    weights, chosen = (torch.cat(part, dim=-4) for part in zip(*looks))  # chosen: [..., layers, kv_heads, group, w] slots
+    weights, chosen = (
+        torch.cat(part, dim=-4) for part in zip(*looks)
+    )  # chosen: [..., layers, kv_heads, group, w] slots
     places = key_positions.to(chosen.device)[:, :, None, None, :].expand(*chosen.shape, n)
     sources = places.gather(-1, chosen[..., None])[..., 0]
     anywhere = far.any(dim=-1).to(chosen.device)[..., None, None]
@@ -180,8 +207,13 @@ def refresh_layers(
 
 
 def _received_chunk(
-    queries: list[torch.Tensor], keys: list[torch.Tensor], newest: torch.Tensor, bias: torch.Tensor,
-    scaling: list[float | None], values: list[torch.Tensor] | None, far: torch.Tensor | None,
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    newest: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: list[float | None],
+    values: list[torch.Tensor] | None,
+    far: torch.Tensor | None,
 ):
     """:func:`refresh_layers` for a run of layers on one device: ``[layers, kv_heads, n]`` received, and with
     ``far`` (``[layers, kv_heads, n]`` or ``[2, layers, kv_heads, n]``: whether each slot belongs to the set, or to
@@ -259,8 +291,15 @@ DEFAULT_LOOP = 32
 
 
 def copy_windows(
-    sources: torch.Tensor, weights: torch.Tensor, last: int, share: float, min_weight: float, recent: int, longest: int,
-    margin: int, near: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sources: torch.Tensor,
+    weights: torch.Tensor,
+    last: int,
+    share: float,
+    min_weight: float,
+    recent: int,
+    longest: int,
+    margin: int,
+    near: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[layers, kv_heads]`` recent windows: ``recent``, or, for a KV head one of whose query heads copies,
     back to the source it reads now and ``margin`` tokens before it (at most ``longest``).
@@ -306,21 +345,59 @@ class EpiKV2(Policy):
     #: every step, the reference the list is tested against)
     shortlisted: ClassVar[bool] = True
     OPTIONS: ClassVar[dict[str, type]] = {
-        "sinks": int, "recent": float, "period": int, "queries": int, "decay": float, "prompt": str, "signal": str, "credit": str, "values": int,
-        "pool": int, "keep": str, "adapt": int, "copy": float, "copyweight": float, "copymargin": int, "loop": int,
+        "sinks": int,
+        "recent": float,
+        "period": int,
+        "queries": int,
+        "decay": float,
+        "prompt": str,
+        "signal": str,
+        "credit": str,
+        "values": int,
+        "pool": int,
+        "keep": str,
+        "adapt": int,
+        "copy": float,
+        "copyweight": float,
+        "copymargin": int,
+        "loop": int,
     }
 
     def __init__(
-        self, budget: int, sinks: int = 4, recent: float = 0.75, period: int = 16, queries: int | None = None, decay: float = 1.0, prompt: str = "score",
-        signal: str = "attention", credit: str = "sum", values: int = 0, pool: int = 1, keep: str = "head",
-        adapt: int = 0, copy: float | None = None, copyweight: float = 0.05, copymargin: int = DEFAULT_COPY_MARGIN, loop: int | None = None,
+        self,
+        budget: int,
+        sinks: int = 4,
+        recent: float = 0.75,
+        period: int = 16,
+        queries: int | None = None,
+        decay: float = 1.0,
+        prompt: str = "score",
+        signal: str = "attention",
+        credit: str = "sum",
+        values: int = 0,
+        pool: int = 1,
+        keep: str = "head",
+        adapt: int = 0,
+        copy: float | None = None,
+        copyweight: float = 0.05,
+        copymargin: int = DEFAULT_COPY_MARGIN,
+        loop: int | None = None,
     ) -> None:
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
-            ("recent", recent, 0 <= recent <= MAX_SHARE or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
-             f"a share of K from 0 to {MAX_SHARE}, or a whole number of tokens up to {MAX_TOKENS}"),
+            (
+                "recent",
+                recent,
+                0 <= recent <= MAX_SHARE or (1 <= recent <= MAX_TOKENS and recent == int(recent)),
+                f"a share of K from 0 to {MAX_SHARE}, or a whole number of tokens up to {MAX_TOKENS}",
+            ),
             ("period", period, 1 <= period <= MAX_TOKENS, "a number of steps, 1 or more"),
-            ("queries", queries, queries is None or 1 <= queries <= period, f"a number of queries from 1 to period ({period})"),
+            (
+                "queries",
+                queries,
+                queries is None or 1 <= queries <= period,
+                f"a number of queries from 1 to period ({period})",
+            ),
             ("decay", decay, 0 < decay <= 1, "above 0 and at most 1 (1 keeps every refresh)"),
             ("prompt", prompt, prompt in ("score", "keep"), "score or keep"),
             ("signal", signal, signal in ("attention", "epiphany", "none"), "attention, epiphany or none"),
@@ -341,11 +418,17 @@ class EpiKV2(Policy):
         if copy and not copies:
             raise UsageError("epikv2 option copy needs keep=layer or keep=head, signal=attention and no adapt")
         if loop and (copy == 0 or not copies):
-            raise UsageError("epikv2 option loop follows copying heads: it needs copy on (keep=layer or keep=head, signal=attention, no adapt)")
+            raise UsageError(
+                "epikv2 option loop follows copying heads: it needs copy on (keep=layer or keep=head, "
+                "signal=attention, no adapt)"
+            )
         if adapt and keep == "global":
             raise UsageError("epikv2 option adapt=1 needs keep=layer or keep=head")
         if keep != "global" and (signal == "epiphany" or credit != "sum" or pool != 1):
-            raise UsageError(f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the others")
+            raise UsageError(
+                f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the "
+                "others"
+            )
         self.sinks = sinks
         self.recent_share = recent
         self.recent = self.recent_for(budget)
@@ -353,12 +436,16 @@ class EpiKV2(Policy):
         self.decay = decay
         self.keep_prompt = prompt == "keep"
         self.signal = signal
-        self.attention_needs = AttentionNeeds(queries=period if queries is None else queries) if signal == "attention" else None
+        self.attention_needs = (
+            AttentionNeeds(queries=period if queries is None else queries) if signal == "attention" else None
+        )
         self.epiphany = EpiKV(recent=0) if signal == "epiphany" else None
         self.received = ScoreBook()  # attention received, summed over refreshes
         self.credit_rule = credit
         self.observed = ScoreBook()  # refreshes each token was scored in (credit=mean)
-        self.derived = ScoreBook()  # the score select reads with credit=mean (received / observed) or max (the largest refresh)
+        self.derived = (
+            ScoreBook()
+        )  # the score select reads with credit=mean (received / observed) or max (the largest refresh)
         self.value_weighted = bool(values)
         self.pool = pool
         self._decode_steps = 0
@@ -415,7 +502,11 @@ class EpiKV2(Policy):
             query_positions = torch.arange(seen - queries.shape[1], seen)
             keys, values = layer.live()
             part = received_attention(
-                queries, keys[0], query_positions, positions, scaling=record.scaling.get(index),
+                queries,
+                keys[0],
+                query_positions,
+                positions,
+                scaling=record.scaling.get(index),
                 values=values[0] if self.value_weighted else None,
             )
             total = part if total is None else total + part.to(total.device)
@@ -454,9 +545,13 @@ class EpiKV2(Policy):
                 if 0 < self.loop < self.recent:
                     far = torch.stack([far, scored & ~old & (positions < seen - self.loop)])
             received, sources, weights = refresh_layers(
-                queries, [keys[0] for keys, _ in live], torch.arange(seen - width, seen, device=scores.device), positions,
+                queries,
+                [keys[0] for keys, _ in live],
+                torch.arange(seen - width, seen, device=scores.device),
+                positions,
                 [signals.attention.scaling.get(index) for index in indices],
-                [values[0] for _, values in live] if self.value_weighted else None, far,
+                [values[0] for _, values in live] if self.value_weighted else None,
+                far,
             )
             received = received.to(scores.device)  # [layers, kv_heads, stored]
             if self.keep == "layer":
@@ -482,7 +577,9 @@ class EpiKV2(Policy):
             window_start = seen - (self._window if self._window is not None else self._recent_by_layer[:, None, None])
             candidates = (positions >= floor) & (positions < window_start)
             if over == 1 and self.shortlisted:
-                self._shortlist = Shortlist.build(slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period, seen)
+                self._shortlist = Shortlist.build(
+                    slots, scores[:, :, :stored], candidates, window_start, floor, stored, self.period, seen
+                )
                 # the list holds the lowest candidates, so its first pick is the full search's victim
                 victims, known = self._shortlist.pick(seen)
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
@@ -512,7 +609,14 @@ class EpiKV2(Policy):
         near = (sources[1], weights[1]) if sources.dim() == 5 else None
         far = (sources[0], weights[0]) if near is not None else (sources, weights)
         self._window = copy_windows(
-            *far, seen - 1, self.copy, self.copy_weight, self.recent, self._budget - floor, self.copy_margin, near,
+            *far,
+            seen - 1,
+            self.copy,
+            self.copy_weight,
+            self.recent,
+            self._budget - floor,
+            self.copy_margin,
+            near,
         )[..., None]
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
@@ -578,7 +682,9 @@ class EpiKV2(Policy):
 
     def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
         if self.recent_share < 1:
-            window = f"{self.recent_share:.0%} of K as its recent window ({self.recent_for(needed)} tokens at K = {needed})"
+            window = (
+                f"{self.recent_share:.0%} of K as its recent window ({self.recent_for(needed)} tokens at K = {needed})"
+            )
         else:
             window = f"a {self.recent_for(needed)}-token recent window"
         what = f"{self.sinks} sink tokens and {window}"
@@ -596,7 +702,10 @@ class EpiKV2(Policy):
         if self.granular:
             victims, self._victims = self._victims, None
             if victims is None or len(victims) != count:
-                raise RuntimeError(f"epikv2 keep={self.keep}: asked to evict {count}, but the step chose {0 if victims is None else len(victims)}")
+                raise RuntimeError(
+                    f"epikv2 keep={self.keep}: asked to evict {count}, "
+                    f"but the step chose {0 if victims is None else len(victims)}"
+                )
             return victims
         if self.epiphany is not None:
             book = self.epiphany.book

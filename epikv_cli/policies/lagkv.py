@@ -75,7 +75,9 @@ def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) ->
 
 
 def layer_mean(cache: BudgetCache, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise mean over evicting layers of the live keys and values of slots ``start:stop``, ``[kv_heads, n, dim]`` each."""
+    """Element-wise mean over evicting layers of the live keys and values of slots ``start:stop``, ``[kv_heads, n,
+    dim]`` each.
+    """
     keys = values = None
     layers = cache.budget_layers
     for layer in layers:

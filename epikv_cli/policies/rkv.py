@@ -43,8 +43,12 @@ def importance(
     """
     heads, w, dim = queries.shape
     kv_heads = keys.shape[0]
-    logits = torch.matmul(queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2))
-    logits = logits.amax(dim=1) * (scaling if scaling is not None else dim**-0.5)  # [kv_heads, w, n], grouped heads pooled by max
+    logits = torch.matmul(
+        queries.float().view(kv_heads, heads // kv_heads, w, dim), keys.float().unsqueeze(1).transpose(-1, -2)
+    )
+    logits = logits.amax(dim=1) * (
+        scaling if scaling is not None else dim**-0.5
+    )  # [kv_heads, w, n], grouped heads pooled by max
     attention = torch.softmax(logits[:, :, : keys.shape[1] - window], dim=-1).mean(dim=1)
     return F.max_pool1d(attention.unsqueeze(0), kernel_size=kernel, padding=kernel // 2, stride=1)[0]
 
@@ -95,10 +99,15 @@ class RKV(Policy):
         return self.window + 1
 
     def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return f"--budget {budget} is too small for rkv, which always keeps its last {self.window} tokens; use --budget {needed} or more"
+        return (
+            f"--budget {budget} is too small for rkv, which always keeps its last {self.window} tokens; use "
+            f"--budget {needed} or more"
+        )
 
     def scores(self, cache: BudgetCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(order, score)``: live slots in logical order and the ``[n - window]`` scores of all but the last window."""
+        """``(order, score)``: live slots in logical order and the ``[n - window]`` scores of all but the last
+        window.
+        """
         order = torch.argsort(cache.live_positions())
         total = None
         for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):

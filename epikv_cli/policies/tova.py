@@ -45,7 +45,10 @@ class TOVA(Policy):
         return 2
 
     def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return f"--budget {budget} is too small for tova, which keeps the newest token and at least one other; use --budget {needed} or more"
+        return (
+            f"--budget {budget} is too small for tova, which keeps the newest token and at least one other; use "
+            f"--budget {needed} or more"
+        )
 
     def select(self, cache: BudgetCache, count: int) -> list[int]:
         positions = cache.live_positions()

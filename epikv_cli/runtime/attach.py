@@ -62,10 +62,16 @@ class BatchSession:
             ids = args[0]
         batch, count = ids.shape[0], ids.shape[1]
         if batch != self.batch_size and not self.cache.rows:
-            raise UsageError(f"this cache was attached for batch_size={self.batch_size}, but the batch holds {batch} prompts")
+            raise UsageError(
+                f"this cache was attached for batch_size={self.batch_size}, but the batch holds {batch} prompts"
+            )
         if not self.cache.rows:
             mask = kwargs.get("attention_mask")
-            padding = mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.zeros(batch, count, dtype=torch.bool)
+            padding = (
+                mask == 0
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2
+                else torch.zeros(batch, count, dtype=torch.bool)
+            )
             self.decoder.begin_prefill(padding)
             self._prefilling = True
             return None
@@ -132,10 +138,17 @@ def attach(
         batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
         options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
-    settings = check_settings(CacheSettings(
-        budget=budget, policy=policy, recent=recent, bands=bands, positions=positions, seed=seed,
-        options=tuple((key, str(value)) for key, value in (options or {}).items()),
-    ))
+    settings = check_settings(
+        CacheSettings(
+            budget=budget,
+            policy=policy,
+            recent=recent,
+            bands=bands,
+            positions=positions,
+            seed=seed,
+            options=tuple((key, str(value)) for key, value in (options or {}).items()),
+        )
+    )
     if batch_size == 1:
         with EpiKVSession(model, settings) as session, guarded_generate(model, session.cache):
             yield session.cache
@@ -158,7 +171,9 @@ def continues(cache: BudgetCache | RowsCache, args: tuple, kwargs: dict, previou
     expected = cache.get_seq_length() + 1
     if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[1] == expected):
         return False
-    if previous is None or previous.shape[1] != expected:  # the cache no longer holds what that call left: length decides
+    if (
+        previous is None or previous.shape[1] != expected
+    ):  # the cache no longer holds what that call left: length decides
         return True
     # a new prompt may have just that length: only the output itself continues
     return inputs.shape == previous.shape and torch.equal(inputs, previous.to(inputs.device))
@@ -184,7 +199,9 @@ def guarded_generate(model: nn.Module, cache: BudgetCache | RowsCache) -> Iterat
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             raise UsageError("EpiKV works through the cache it attached; drop use_cache=False")
         if beams > 1:
-            raise UsageError(f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}")
+            raise UsageError(
+                f"EpiKV keeps one keep-set per sequence and does no beam search; use num_beams=1, not {beams}"
+            )
         if holds_tokens(cache) and not continues(cache, args, kwargs, previous):
             raise UsageError(
                 "this EpiKV cache still holds the sequence of an earlier generate call, and these inputs do not "

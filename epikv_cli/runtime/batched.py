@@ -36,7 +36,8 @@ def union_needs(needs: list[AttentionNeeds | None]) -> AttentionNeeds | None:
     if not present:
         return None
     return AttentionNeeds(
-        received=any(n.received for n in present), last_row=any(n.last_row for n in present),
+        received=any(n.received for n in present),
+        last_row=any(n.last_row for n in present),
         queries=max(n.queries for n in present),
     )
 
@@ -126,7 +127,13 @@ class BatchDecoder:
         kwargs = self.begin_step()
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=tokens.view(-1, 1).to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1, **kwargs)
+                out = self.model(
+                    input_ids=tokens.view(-1, 1).to(self.device),
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **kwargs,
+                )
         finally:
             self._set_taps(False)
         self.finish_step()
@@ -137,7 +144,11 @@ class BatchDecoder:
         ``attention_mask`` (per layer kind when some layers slide) and, for eager weights, ``output_attentions``."""
         positions, masks = self.cache.begin_step(self.dtype, self.device)
         if self.attention is not None and self.needs.weights:  # weights only for the rows whose policies read them
-            readers = [i for i, row in enumerate(self.cache.rows) if row.policy.attention_needs and row.policy.attention_needs.weights]
+            readers = [
+                i
+                for i, row in enumerate(self.cache.rows)
+                if row.policy.attention_needs and row.policy.attention_needs.weights
+            ]
             self.attention.weight_rows = None if len(readers) == self.batch else torch.tensor(readers, dtype=torch.long)
         mask = {"full_attention": masks[FULL], "sliding_attention": masks[SLIDING]} if self.sliding else masks[FULL]
         kwargs = {"position_ids": positions, "attention_mask": mask}
@@ -170,7 +181,9 @@ class BatchDecoder:
         self._set_taps(True)
 
     def finish_prefill(self, settings: list[CacheSettings]) -> None:
-        """After the prefill's forward: each row gets its own policy, checks its budget, observes its prompt and evicts."""
+        """After the prefill's forward: each row gets its own policy, checks its budget, observes its prompt and
+        evicts.
+        """
         self._set_taps(False)
         if self.attention is not None:
             self.attention.query_valid = None

@@ -54,7 +54,9 @@ class BatchedGeneration:
         settings: every cache setting the requests may use (so the batch taps what their policies read).
     """
 
-    def __init__(self, model, tokenizer, requests: Iterable[Request], batch_size: int, settings: list[CacheSettings]) -> None:
+    def __init__(
+        self, model, tokenizer, requests: Iterable[Request], batch_size: int, settings: list[CacheSettings]
+    ) -> None:
         if batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
         self.model = model
@@ -64,7 +66,9 @@ class BatchedGeneration:
         self.settings = settings
         self.device = input_device(model)
 
-    def _join(self, decoder: BatchDecoder, running: list[_Running], logits: list[torch.Tensor]) -> Iterator[tuple[Any, Any]]:
+    def _join(
+        self, decoder: BatchDecoder, running: list[_Running], logits: list[torch.Tensor]
+    ) -> Iterator[tuple[Any, Any]]:
         """Fill the batch from the queue; yield requests that cannot run."""
         while len(running) < self.batch_size:
             request = next(self.requests, None)
@@ -72,13 +76,27 @@ class BatchedGeneration:
                 return
             started = time.perf_counter()
             try:
-                first = decoder.add(request.input_ids.to(self.device), request.cache, request.input_ids.shape[1] + request.sampling.max_new_tokens)
+                first = decoder.add(
+                    request.input_ids.to(self.device),
+                    request.cache,
+                    request.input_ids.shape[1] + request.sampling.max_new_tokens,
+                )
             except UsageError as error:
                 yield request.key, error
                 continue
-            sequence = TokenBuffer(request.input_ids.to(self.device), room=min(request.sampling.max_new_tokens, HEADROOM))
-            running.append(_Running(request, Sampler(request.sampling), Stopper(self.model, self.tokenizer, request.sampling),
-                                    sequence, started, time.perf_counter() - started))
+            sequence = TokenBuffer(
+                request.input_ids.to(self.device), room=min(request.sampling.max_new_tokens, HEADROOM)
+            )
+            running.append(
+                _Running(
+                    request,
+                    Sampler(request.sampling),
+                    Stopper(self.model, self.tokenizer, request.sampling),
+                    sequence,
+                    started,
+                    time.perf_counter() - started,
+                )
+            )
             logits.append(first)
 
     def _result(self, decoder: BatchDecoder, row: int, state: _Running, stop_reason: str) -> GenerationResult:
@@ -89,12 +107,23 @@ class BatchedGeneration:
         token_ids = state.sequence.ids[0, prompt_len:].tolist()
         memory, kind = peak_memory(self.device)
         return GenerationResult(
-            text=self.tokenizer.decode(token_ids, skip_special_tokens=True), prompt_tokens=prompt_len,
-            generated_tokens=state.generated, evicted=view.evicted_total, peak_stored=view.row.peak_stored, budget=view.budget,
-            policy=state.request.cache.policy, stop_reason=stop_reason, prefill_seconds=round(state.prefill_seconds, 6),
+            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            prompt_tokens=prompt_len,
+            generated_tokens=state.generated,
+            evicted=view.evicted_total,
+            peak_stored=view.row.peak_stored,
+            budget=view.budget,
+            policy=state.request.cache.policy,
+            stop_reason=stop_reason,
+            prefill_seconds=round(state.prefill_seconds, 6),
             decode_seconds=round(decode_seconds, 6),
-            decode_tokens_per_s=round((state.generated - 1) / decode_seconds, 3) if state.generated > 1 and decode_seconds else None,
-            peak_memory_bytes=memory, peak_memory_kind=kind, kv_cache_bytes=decoder.cache.kv_bytes(row), token_ids=token_ids,
+            decode_tokens_per_s=round((state.generated - 1) / decode_seconds, 3)
+            if state.generated > 1 and decode_seconds
+            else None,
+            peak_memory_bytes=memory,
+            peak_memory_kind=kind,
+            kv_cache_bytes=decoder.cache.kv_bytes(row),
+            token_ids=token_ids,
         )
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -105,7 +134,9 @@ class BatchedGeneration:
             yield from self._join(decoder, running, logits)
             while running:
                 scores = torch.stack(logits)
-                tokens = torch.cat([state.sampler.choose(state.sequence.ids, scores[row]) for row, state in enumerate(running)])
+                tokens = torch.cat(
+                    [state.sampler.choose(state.sequence.ids, scores[row]) for row, state in enumerate(running)]
+                )
                 values = host_copies([tokens] + decoder.pending_reads)  # the step's one host synchronisation
                 decoder.settle(values[1:])  # the rows' policies score, the rows evict
                 chosen = values[0].long().tolist()

@@ -103,9 +103,19 @@ class GenerationResult:
         """The result of a run interrupted before generation began: zero tokens, same fields."""
         memory, kind = peak_memory(torch.device("cpu"))
         return cls(
-            text="", prompt_tokens=0, generated_tokens=0, evicted=0, peak_stored=0,
-            budget=budget, policy=policy, stop_reason="interrupted", prefill_seconds=0.0,
-            decode_seconds=0.0, decode_tokens_per_s=None, peak_memory_bytes=memory, peak_memory_kind=kind,
+            text="",
+            prompt_tokens=0,
+            generated_tokens=0,
+            evicted=0,
+            peak_stored=0,
+            budget=budget,
+            policy=policy,
+            stop_reason="interrupted",
+            prefill_seconds=0.0,
+            decode_seconds=0.0,
+            decode_tokens_per_s=None,
+            peak_memory_bytes=memory,
+            peak_memory_kind=kind,
             kv_cache_bytes=0,
         )
 
@@ -213,7 +223,15 @@ class Generation:
     with ``stop_reason="interrupted"``.
     """
 
-    def __init__(self, model, tokenizer, input_ids: torch.Tensor, cache: CacheSettings, sampling: SamplingSettings, keep_logits: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        input_ids: torch.Tensor,
+        cache: CacheSettings,
+        sampling: SamplingSettings,
+        keep_logits: bool = False,
+    ):
         self.model = model
         self.keep_logits = keep_logits
         self.tokenizer = tokenizer
@@ -298,9 +316,32 @@ class Generation:
                         break
                     logits = self._forward(session, token.view(1, 1).to(device))
             finally:
-                self._finish(session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory)
+                self._finish(
+                    session,
+                    detok,
+                    sequence,
+                    prompt_len,
+                    generated,
+                    stop_reason,
+                    start,
+                    prefill_seconds,
+                    device,
+                    prefill_memory,
+                )
 
-    def _finish(self, session, detok, sequence, prompt_len, generated, stop_reason, start, prefill_seconds, device, prefill_memory):
+    def _finish(
+        self,
+        session,
+        detok,
+        sequence,
+        prompt_len,
+        generated,
+        stop_reason,
+        start,
+        prefill_seconds,
+        device,
+        prefill_memory,
+    ):
         if sys.is_finalizing():
             # a generation left unfinished and collected as the interpreter exits: nobody can read its result, and
             # making tensors then (the token ids below) aborts the process inside PyTorch
@@ -323,7 +364,9 @@ class Generation:
             stop_reason=stop_reason,
             prefill_seconds=round(prefill_seconds, 6),
             decode_seconds=round(decode_seconds, 6),
-            decode_tokens_per_s=round((generated - 1) / decode_seconds, 3) if generated > 1 and decode_seconds else None,
+            decode_tokens_per_s=round((generated - 1) / decode_seconds, 3)
+            if generated > 1 and decode_seconds
+            else None,
             peak_memory_bytes=max(prefill_memory, memory),
             peak_memory_kind=kind,
             kv_cache_bytes=session.cache.kv_bytes(),

@@ -53,8 +53,12 @@ class EpiKVSession:
         self.policy: Policy = self._new_policy()
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
-            model.config, budget, max_tokens=max_tokens, compressed_positions=settings.positions == "compressed",
-            slack=self.policy.slack, granular=self.policy.granular,
+            model.config,
+            budget,
+            max_tokens=max_tokens,
+            compressed_positions=settings.positions == "compressed",
+            slack=self.policy.slack,
+            granular=self.policy.granular,
         )
         self.cache.policy = self.policy
         self.cache.on_reset = self._reset
@@ -176,5 +180,3 @@ class EpiKVSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-

@@ -17,7 +17,13 @@ def forward_step(model, session: EpiKVSession, ids: torch.Tensor, logits_to_keep
     if session.attention is not None and session.attention.returns_weights:
         kwargs["output_attentions"] = True  # the authors' set-up: every layer's weights come back
     with torch.inference_mode():
-        out = model(input_ids=ids, cache=cache, position_ids=cache.position_ids(ids.shape[1], ids.device), use_cache=True, **kwargs)
+        out = model(
+            input_ids=ids,
+            cache=cache,
+            position_ids=cache.position_ids(ids.shape[1], ids.device),
+            use_cache=True,
+            **kwargs,
+        )
     return out.logits[0, -1]
 
 
