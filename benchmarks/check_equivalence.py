@@ -43,7 +43,7 @@ def main() -> None:
         model,
         tokenizer,
         ids,
-        CacheSettings(budget=ids.shape[1] + args.tokens + 128),
+        CacheSettings(budget=ids.shape[1] + args.tokens + 128, policy="epikv"),
         SamplingSettings(max_new_tokens=args.tokens, ignore_eos=True),
         keep_logits=True,
     )
@@ -55,7 +55,11 @@ def main() -> None:
         f"same greedy tokens as model.generate: {same}; largest logit difference {gap:.2e}"
     )
     small = Generation(
-        model, tokenizer, ids, CacheSettings(budget=args.budget), SamplingSettings(max_new_tokens=200, ignore_eos=True)
+        model,
+        tokenizer,
+        ids,
+        CacheSettings(budget=args.budget, policy="epikv"),
+        SamplingSettings(max_new_tokens=200, ignore_eos=True),
     )
     for _ in small:
         pass

@@ -29,9 +29,11 @@ from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings
 from epikv_cli.core.cache import BudgetCache
+from epikv_cli.core.hostread import host_copies
 from epikv_cli.models.shapes import shape_config
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.registry import make_policy, parse_policy_spec
+from epikv_cli.runtime.step import choose, follow, observe
 
 
 def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
@@ -47,7 +49,6 @@ def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
         raise SystemExit(f"{policy_name} reads attention from the forward; this benchmark has no forward")
     policy.setup(text.num_hidden_layers)
     cache = BudgetCache(config, budget, slack=policy.slack, granular=policy.granular)
-    cache.policy = policy
     generator = torch.Generator().manual_seed(seed)
     prompt = budget // 2
     block = torch.randn(1, heads, prompt, dim, generator=generator).to(dtype)
@@ -64,10 +65,9 @@ def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
         for layer in range(text.num_hidden_layers):
             cache.update(token, token, layer)
         new = cache.commit()
-        policy.observe(Signals(new, False, states[i % len(states)], None, cache))
-        over = cache.over_budget()
-        if over:
-            cache.evict(policy.select(cache, over))
+        observed = observe(policy, Signals(new, False, states[i % len(states)], None, cache))
+        evicted = cache.evict(choose(policy, observed, host_copies(observed.reads), cache))
+        follow(policy, evicted.holes, evicted.movers)
 
     while cache.stored < budget:  # fill to K; from here every step evicts one token
         step(0)

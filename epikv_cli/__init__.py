@@ -12,14 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["attach", "BudgetCache", "EpiKVSession", "__version__"]
+__all__ = ["attach", "policy_of", "BudgetCache", "EpiKVSession", "__version__"]
 
-_LAZY = {"attach": "runtime.attach", "EpiKVSession": "runtime.session", "BudgetCache": "core.cache"}
+_LAZY = {
+    "attach": "runtime.attach",
+    "policy_of": "runtime.session",
+    "EpiKVSession": "runtime.session",
+    "BudgetCache": "core.cache",
+}
 
 if TYPE_CHECKING:
     from epikv_cli.core.cache import BudgetCache
     from epikv_cli.runtime.attach import attach
-    from epikv_cli.runtime.session import EpiKVSession
+    from epikv_cli.runtime.session import EpiKVSession, policy_of
 
 
 def __getattr__(name: str) -> Any:

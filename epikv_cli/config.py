@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from epikv_cli.errors import UsageError
 
+#: The policy used when none is named: by the CLI, CacheSettings, attach(), profile, fidelity and eval.
+DEFAULT_POLICY = "epikv2"
 POSITION_MODES = ("logical", "compressed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
@@ -140,7 +142,7 @@ class CacheSettings:
     """
 
     budget: int | None = 4096
-    policy: str = "epikv"
+    policy: str = DEFAULT_POLICY
     recent: int | None = None
     bands: tuple[tuple[int, float], ...] | None = None
     positions: str = "logical"

@@ -17,6 +17,7 @@ from epikv_cli.cli.app import app
 from epikv_cli.cli.batch import read_prompt_file
 from epikv_cli.data.jsonl import read_results
 from epikv_cli.errors import UsageError
+from epikv_cli.policies.registry import POLICIES
 from epikv_cli.runtime import generation as engine
 
 runner = CliRunner()
@@ -405,9 +406,12 @@ def test_a_lines_budget_suggestion_works_for_that_line(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize(
     "policy, options",
-    [("h2o", []), ("tova", []), ("rkv", []), ("knorm", []), ("lagkv", ["--policy-option", "chunks=positions"])],
+    [
+        *((name, []) for name, cls in sorted(POLICIES.items()) if cls.evicts),
+        ("lagkv", ["--policy-option", "chunks=positions"]),
+    ],
 )
-def test_baseline_policies_run_a_batch(tiny_model_dir, tmp_path, policy, options):
+def test_every_evicting_policy_runs_a_batch(tiny_model_dir, tmp_path, policy, options):
     prompts = write(
         tmp_path / "p.jsonl",
         [json.dumps({"id": i, "prompt": f"question {i}", "max_new_tokens": 200}) for i in range(2)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv_cli.core.cache import HEADROOM, BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.core.cache import HEADROOM, BudgetCache, BudgetLayer, SlotTable, move_entries
 from epikv_cli.errors import UsageError
 
 from conftest import ARCHITECTURES
@@ -31,8 +31,8 @@ def test_layer_append_and_evict_touch_only_the_slots_involved():
     layer.update(*states(8))
     buffer = layer.keys.data_ptr()
     before = layer.keys.clone()
-    holes, movers = torch.tensor([2]), torch.tensor([7])
-    layer.move(holes, movers, new_length=7)
+    move_entries([(layer.keys, layer.values)], [0], [2], [7], layer.keys.device)
+    layer.length = 7
     assert layer.keys.data_ptr() == buffer  # no reallocation, no whole-cache copy
     changed = (layer.keys != before).any(dim=-1).any(dim=1)[0]
     assert torch.nonzero(changed).flatten().tolist() == [2]
@@ -68,7 +68,8 @@ def test_unbounded_layer_allocates_as_it_fills():
 def test_layer_reports_logical_length_and_offsets_the_mask():
     layer = BudgetLayer(limit=8)
     layer.update(*states(6))
-    layer.move(torch.tensor([1]), torch.tensor([5]), new_length=5)
+    move_entries([(layer.keys, layer.values)], [0], [1], [5], layer.keys.device)
+    layer.length = 5
     assert layer.get_seq_length() == 6  # tokens seen, like sliding-window layers
     assert layer.get_mask_sizes(1) == (6, 1)  # 5 stored + 1 new, first slot counts as logical 1
 
@@ -86,7 +87,7 @@ def test_cache_evicts_the_same_slots_in_every_layer():
     for layer_idx in range(config.num_hidden_layers):
         cache.update(*states(8), layer_idx)
     cache.commit()
-    evicted = cache.evict([0, 3])
+    evicted = cache.evict([0, 3]).positions
     assert evicted == [0, 3]
     assert cache.stored == 6 and cache.seen == 8
     for layer in cache.budget_layers:
@@ -154,7 +155,7 @@ def test_steady_state_eviction_moves_nothing_and_the_next_token_takes_the_slot()
         cache.update(*states(7), layer_idx)
     cache.commit()
     before = [layer.keys.clone() for layer in cache.budget_layers]
-    assert cache.evict([3]) == [3]
+    assert cache.evict([3]).positions == [3]
     for layer, old in zip(cache.budget_layers, before):
         assert torch.equal(layer.keys, old)  # eviction touched no buffer
     assert cache.live_positions().tolist() == [0, 1, 2, 4, 5, 6]

@@ -29,7 +29,7 @@ def test_300_tokens_at_budget_128(demo):
         demo.model,
         demo.tokenizer,
         ids,
-        CacheSettings(budget=128),
+        CacheSettings(budget=128, policy="epikv"),
         SamplingSettings(max_new_tokens=320, ignore_eos=True),
     )
     streamed, stored = [], []
@@ -63,7 +63,11 @@ def test_gguf_file_loads_to_the_same_model(demo, capfd):
     assert capfd.readouterr().err == ""  # no de-quantisation progress bar: loading is quiet, as for safetensors
     runs = [
         Generation(
-            m.model, m.tokenizer, ids, CacheSettings(budget=512), SamplingSettings(max_new_tokens=12, ignore_eos=True)
+            m.model,
+            m.tokenizer,
+            ids,
+            CacheSettings(budget=512, policy="epikv"),
+            SamplingSettings(max_new_tokens=12, ignore_eos=True),
         )
         for m in (demo, gguf)
     ]
@@ -88,7 +92,7 @@ def test_no_eviction_reproduces_generate_on_the_real_model(demo):
         demo.model,
         demo.tokenizer,
         ids,
-        CacheSettings(budget=512),
+        CacheSettings(budget=512, policy="epikv"),
         SamplingSettings(max_new_tokens=30, ignore_eos=True),
         keep_logits=True,
     )

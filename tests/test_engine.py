@@ -19,7 +19,11 @@ IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
 
 def run(tokenizer, cache=None, **sampling):
     generation = Generation(
-        MODEL, tokenizer, IDS, cache or CacheSettings(budget=512), SamplingSettings(**{"ignore_eos": True, **sampling})
+        MODEL,
+        tokenizer,
+        IDS,
+        cache or CacheSettings(budget=512, policy="epikv"),
+        SamplingSettings(**{"ignore_eos": True, **sampling}),
     )
     events = list(generation)
     return events, generation.result
@@ -72,7 +76,7 @@ def test_stop_string_ends_generation(tokenizer):
 
 
 def test_events_report_the_cache(tokenizer):
-    events, result = run(tokenizer, cache=CacheSettings(budget=40, recent=8), max_new_tokens=60)
+    events, result = run(tokenizer, cache=CacheSettings(budget=40, recent=8, policy="epikv"), max_new_tokens=60)
     assert [e.index for e in events] == list(range(60))
     assert [e.position for e in events] == list(range(8, 68))
     assert max(e.stored for e in events) == 40 and result.peak_stored == 41  # K + 1 inside the step
@@ -83,14 +87,20 @@ def test_events_report_the_cache(tokenizer):
 
 def test_streamed_text_adds_up_to_the_result(tokenizer):
     generation = Generation(
-        MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50, ignore_eos=True)
+        MODEL,
+        tokenizer,
+        IDS,
+        CacheSettings(budget=64, policy="epikv"),
+        SamplingSettings(max_new_tokens=50, ignore_eos=True),
     )
     streamed = "".join(e.text for e in generation) + generation.tail_text
     assert streamed == generation.result.text
 
 
 def test_closing_early_leaves_an_interrupted_result(tokenizer):
-    generation = Generation(MODEL, tokenizer, IDS, CacheSettings(budget=64), SamplingSettings(max_new_tokens=50))
+    generation = Generation(
+        MODEL, tokenizer, IDS, CacheSettings(budget=64, policy="epikv"), SamplingSettings(max_new_tokens=50)
+    )
     stream = iter(generation)
     for _ in range(7):
         next(stream)
@@ -132,7 +142,11 @@ def test_a_batch_of_input_ids_is_refused_with_the_batched_way(tokenizer):
         UsageError, match=r"Generation decodes one sequence: input_ids must be \[1, prompt_len\], got \[2, 8\]"
     ):
         Generation(
-            MODEL, tokenizer, torch.cat([IDS, IDS]), CacheSettings(budget=24), SamplingSettings(max_new_tokens=3)
+            MODEL,
+            tokenizer,
+            torch.cat([IDS, IDS]),
+            CacheSettings(budget=24, policy="epikv"),
+            SamplingSettings(max_new_tokens=3),
         )
 
 
@@ -174,7 +188,7 @@ def test_events_carry_logits_only_when_asked(tokenizer):
             MODEL,
             tokenizer,
             IDS,
-            CacheSettings(budget=512),
+            CacheSettings(budget=512, policy="epikv"),
             SamplingSettings(max_new_tokens=6, ignore_eos=True),
             keep_logits=True,
         )

@@ -57,7 +57,7 @@ def test_attach_matches_generate_when_nothing_is_evicted(arch):
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
     tokens, logits = reference(model, ids)
-    with epikv_cli.attach(model, budget=4096) as cache:
+    with epikv_cli.attach(model, budget=4096, policy="epikv") as cache:
         out = model.generate(
             ids,
             cache=cache,
@@ -76,7 +76,7 @@ def test_attach_matches_generate_when_nothing_is_evicted(arch):
 def test_gemma3_sliding_layers_are_left_alone():
     model = tiny_model("gemma3")
     ids = torch.randint(0, 256, (1, PROMPT_LEN))
-    with epikv_cli.attach(model, budget=PROMPT_LEN + 20, recent=4) as cache:
+    with epikv_cli.attach(model, budget=PROMPT_LEN + 20, recent=4, policy="epikv") as cache:
         model.generate(ids, cache=cache, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["DynamicSlidingWindowLayer"] * 5 + ["BudgetLayer"]

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grimp
+from policy_removal import POLICY, copy_without_policy, run
 
 
 def test_no_module_imports_itself_through_others():
@@ -27,3 +31,20 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
     graph = grimp.build_graph("cyclic", cache_dir=None)
     assert graph.chain_exists(importer="cyclic.a", imported="cyclic.b")
     assert graph.chain_exists(importer="cyclic.b", imported="cyclic.a")
+
+
+def test_a_policy_is_removed_by_removing_its_file_its_registry_line_and_its_tests(tmp_path):
+    """docs/adding-a-policy.md's claim, in a copy without knorm: the package imports, the layer contracts and
+    ruff hold, the completions are regenerated without it, and the whole suite still collects
+    (``python tests/policy_removal.py`` runs all of it there)."""
+    target = copy_without_policy(tmp_path)
+    names = run(target, "-c", "from epikv_cli.policies.registry import POLICIES; print(*sorted(POLICIES))")
+    assert POLICY not in names.stdout.split() and "epikv2" in names.stdout.split()
+    assert POLICY not in (target / "completions" / "epikv.bash").read_text()
+    collected = run(target, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", check=False)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    assert "error" not in collected.stdout.splitlines()[-1]
+    ruff = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "epikv_cli", "tests"], cwd=target, capture_output=True
+    )
+    assert ruff.returncode == 0, ruff.stdout.decode()[-2000:]

@@ -43,7 +43,11 @@ def test_generation_reports_its_own_phases_not_the_process_peak(tokenizer):
     del ballast
     ids = torch.randint(0, 256, (1, 20))
     run = Generation(
-        MODEL, tokenizer, ids, CacheSettings(budget=32), SamplingSettings(max_new_tokens=30, ignore_eos=True)
+        MODEL,
+        tokenizer,
+        ids,
+        CacheSettings(budget=32, policy="epikv"),
+        SamplingSettings(max_new_tokens=30, ignore_eos=True),
     )
     list(run)
     result = run.result

@@ -1,4 +1,4 @@
-"""The keep rules of h2o, tova, rkv and knorm on hand-made attention, queries and keys."""
+"""The keep rules of h2o, tova, rkv and epikv2 on hand-made attention, queries and keys."""
 
 from __future__ import annotations
 
@@ -10,16 +10,12 @@ import torch
 
 from epikv_cli.config import CacheSettings
 from epikv_cli.core.attention import AttentionRecord
-from epikv_cli.core.cache import BudgetCache
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.h2o import H2O
-from epikv_cli.policies.knorm import KeyNorm
 from epikv_cli.policies.registry import make_policy
 from epikv_cli.policies.rkv import importance, redundancy
 from epikv_cli.policies.tova import TOVA
-
-from conftest import ARCHITECTURES
 
 
 def fake_cache(positions, seen, prompt_len=0):
@@ -105,12 +101,10 @@ def test_rkv_keeps_the_last_8_and_the_top_k_minus_8_of_the_mixed_score_at_each_c
     generator = torch.Generator().manual_seed(0)
     slots_to_positions = torch.randperm(n, generator=generator)  # slot s holds position slots_to_positions[s]
     by_position = [torch.randn(kv_heads, n, dim, generator=generator) for _ in range(2)]  # two layers, logical order
-    layers = [
-        SimpleNamespace(keys=k, live=lambda k=k: (k[:, slots_to_positions].unsqueeze(0), None)) for k in by_position
-    ]
+    layers = [(k[:, slots_to_positions].unsqueeze(0), None) for k in by_position]
     queries = {0: torch.randn(heads, 8, dim, generator=generator), 1: torch.randn(heads, 8, dim, generator=generator)}
     cache = SimpleNamespace(
-        live_positions=lambda: slots_to_positions.clone(), budget_layer_indices=[0, 1], budget_layers=layers
+        live_positions=lambda: slots_to_positions.clone(), evicting_layers=[0, 1], layer_kv=layers.__getitem__
     )
     policy = RKV()
     policy.observe(SimpleNamespace(attention=SimpleNamespace(queries=queries, scaling={})))
@@ -126,30 +120,6 @@ def test_rkv_keeps_the_last_8_and_the_top_k_minus_8_of_the_mixed_score_at_each_c
     chosen_positions = slots_to_positions[chosen_slots].tolist()
     assert chosen_positions == torch.argsort(mixed, stable=True)[:130].tolist()
     assert max(chosen_positions) < n - 8
-
-
-def states(values, heads=2, dim=4):
-    """[1, heads, n, dim] keys whose row t has every entry equal to values[t]."""
-    v = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1)
-    return v.expand(1, heads, -1, dim).clone(), torch.zeros(1, heads, len(values), dim)
-
-
-def test_knorm_scores_minus_the_mean_key_norm_and_evicts_the_largest():
-    config = ARCHITECTURES["llama"]()
-    cache = BudgetCache(config, budget=6)
-    values = [1.0, 1.0, 3.0, 0.5, 2.0, 1.0, 0.2]  # position 0 is the prompt
-    for layer in range(config.num_hidden_layers):
-        cache.update(*states(values[:1]), layer)
-    cache.commit()
-    policy = KeyNorm(recent=1)
-    policy.observe(Signals(range(0, 1), True, cache=cache))
-    for t in range(1, len(values)):
-        for layer in range(config.num_hidden_layers):
-            cache.update(*states([values[t]]), layer)
-        policy.observe(Signals(cache.commit(), False, cache=cache))
-    assert policy.score_of(2) == pytest.approx(-3.0 * 2)  # norm of [3, 3, 3, 3]
-    # evictable: positions 1..5 (0 is the prompt, 6 the recent window); largest norms first: 2 (3.0), 4 (2.0)
-    assert policy.select(cache, 2) == [2, 4]
 
 
 def test_received_attention_by_hand():

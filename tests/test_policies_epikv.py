@@ -118,7 +118,7 @@ def test_changes_are_token_to_token_at_the_same_layer():
             model(ids[:, :7], cache=cache, use_cache=True)
             for t in range(7, 10):
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
-                step = cache.policy.last[0]
+                step = epikv_cli.policy_of(cache).last[0]
                 expected = tuple(float((full[layer + 1][0, t] - full[layer + 1][0, t - 1]).norm()) for layer in (1, 2))
                 assert step.changes == pytest.approx(expected, rel=1e-4)
 
@@ -127,27 +127,27 @@ def test_scores_are_frozen_through_eviction():
     model = tiny_model("llama", seed=5)
     ids = torch.randint(0, 256, (1, 8))
     at_birth: dict[int, float] = {}
-    with epikv_cli.attach(model, budget=30, recent=4) as cache:
+    with epikv_cli.attach(model, budget=30, recent=4, policy="epikv") as cache:
         with torch.inference_mode():
             out = model(ids, cache=cache, use_cache=True)
             for _ in range(80):
                 out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-                for step in cache.policy.last:
+                for step in epikv_cli.policy_of(cache).last:
                     at_birth[step.position] = step.score
         assert cache.evicted_total > 0
         for position in cache.live_positions().tolist():
             if position >= 8:
-                assert cache.policy.score_of(position) == at_birth[position]
+                assert epikv_cli.policy_of(cache).score_of(position) == at_birth[position]
 
 
 def test_lowest_scores_leave_first():
     model = tiny_model("llama", seed=6)
     ids = torch.randint(0, 256, (1, 5))
-    with epikv_cli.attach(model, budget=20, recent=3) as cache:
+    with epikv_cli.attach(model, budget=20, recent=3, policy="epikv") as cache:
         with torch.inference_mode():
             out = model(ids, cache=cache, use_cache=True)
             for _ in range(40):
-                before = {p: cache.policy.score_of(p) for p in cache.live_positions().tolist()}
+                before = {p: epikv_cli.policy_of(cache).score_of(p) for p in cache.live_positions().tolist()}
                 out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
                 evicted = set(before) - set(cache.live_positions().tolist())
                 if not evicted:

@@ -66,7 +66,7 @@ def test_layer_mean_and_token_scores_follow_logical_order():
         order = torch.argsort(cache.live_positions())
         expected = lag_scores(keys[:, order]) + lag_scores(values[:, order])
         # the policy's means, accumulated at append and moved with the slots, equal a fresh pass over the cache
-        scores = cache.policy.token_scores(cache)
+        scores = epikv_cli.policy_of(cache).token_scores(cache)
         assert torch.allclose(scores[order], expected, atol=1e-6)
 
 
@@ -117,7 +117,7 @@ def test_frozen_scores_are_lag_scores_of_every_token_appended_evicted_ones_inclu
                 means_k.append(keys), means_v.append(values)
         assert cache.evicted_total == 150 + 200 - 180
         expected = lag_scores(torch.cat(means_k, dim=1)) + lag_scores(torch.cat(means_v, dim=1))
-        got = torch.tensor([cache.policy.score_of(p) for p in range(cache.seen)], dtype=torch.float32)
+        got = torch.tensor([epikv_cli.policy_of(cache).score_of(p) for p in range(cache.seen)], dtype=torch.float32)
         assert torch.allclose(got, expected, atol=1e-5)
         # what is left is what the keep rule leaves, replayed on these scores: after each token enters, the
         # lowest-scoring generated token outside the recent window leaves (ties: the older)

@@ -16,6 +16,7 @@ from epikv_cli.cli.maxcontext import ProbeResult, ProbeWorker, parse_memory, sea
 from epikv_cli.cli.profile import PolicyRun, ProfileSettings, flatness
 from epikv_cli.config import ModelSettings
 from epikv_cli.models.shapes import SHAPES, cut_layers, shape_config
+from epikv_cli.policies.registry import POLICIES
 
 runner = CliRunner()
 
@@ -149,19 +150,9 @@ ROW_KEYS = {
 
 
 def test_every_policy_runs_under_profile(tiny_model_dir):
-    policies = [
-        "full",
-        "streaming",
-        "random",
-        "knorm",
-        "epikv",
-        "lagkv",
-        "lagkv:chunks=positions",
-        "h2o",
-        "tova",
-        "rkv",
-        "epikv2",
-    ]
+    """Every registered policy (the unbounded one first: the reference of the ratios) and the Lag-KV variant."""
+    unbounded = [name for name, cls in POLICIES.items() if not cls.evicts]
+    policies = [*unbounded, *sorted(name for name, cls in POLICIES.items() if cls.evicts), "lagkv:chunks=positions"]
     result = invoke(
         "--model",
         str(tiny_model_dir),

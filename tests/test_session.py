@@ -7,6 +7,7 @@ import torch
 
 import epikv_cli
 from epikv_cli.errors import UsageError
+from epikv_cli.policies.registry import POLICIES
 
 from conftest import tiny_model
 
@@ -16,28 +17,28 @@ GEN = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
 def test_generate_under_a_budget():
-    with epikv_cli.attach(MODEL, budget=40, recent=8) as cache:
+    with epikv_cli.attach(MODEL, budget=40, recent=8, policy="epikv") as cache:
         out = MODEL.generate(IDS, cache=cache, max_new_tokens=100, **GEN)
         assert out.shape[1] == 110
         assert cache.stored == 40 and cache.peak_stored == 41
         assert cache.evicted_total == 109 - 40
         live = set(cache.live_positions().tolist())
         assert set(range(10)) <= live and set(range(109 - 8, 109)) <= live
-        assert cache.policy.score_of(50) is not None
+        assert epikv_cli.policy_of(cache).score_of(50) is not None
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_past_key_values_alias_gives_the_same_tokens():
     outputs = []
     for key in ("cache", "past_key_values"):
-        with epikv_cli.attach(MODEL, budget=40, recent=8) as cache:
+        with epikv_cli.attach(MODEL, budget=40, recent=8, policy="epikv") as cache:
             outputs.append(MODEL.generate(IDS, max_new_tokens=60, **{key: cache}, **GEN))
     assert torch.equal(*outputs)
 
 
 def test_hooks_are_removed_on_exit():
     before = (len(MODEL._forward_hooks), sum(len(m._forward_hooks) for m in MODEL.modules()))
-    with epikv_cli.attach(MODEL, budget=64):
+    with epikv_cli.attach(MODEL, budget=64, policy="epikv"):
         assert len(MODEL._forward_hooks) == before[0] + 1
     assert (len(MODEL._forward_hooks), sum(len(m._forward_hooks) for m in MODEL.modules())) == before
 
@@ -73,7 +74,7 @@ def test_closing_one_session_keeps_the_refresh_buffers_of_another_still_open():
 
 def test_compressed_positions_through_generate():
     seen = []
-    with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed") as cache:
+    with epikv_cli.attach(MODEL, budget=30, recent=4, positions="compressed", policy="epikv") as cache:
         # registered after attach's own pre-hook, so it sees the rewritten positions
         spy = MODEL.register_forward_pre_hook(
             lambda m, a, kw: seen.append(kw["position_ids"][0].tolist()), with_kwargs=True
@@ -87,13 +88,13 @@ def test_compressed_positions_through_generate():
 
 
 def test_prompt_longer_than_the_budget_is_refused():
-    with epikv_cli.attach(MODEL, budget=12) as cache:
+    with epikv_cli.attach(MODEL, budget=12, policy="epikv") as cache:
         with pytest.raises(UsageError, match="--budget 12 is not larger"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
 
 
 def test_beam_search_and_no_cache_are_refused_by_name():
-    with epikv_cli.attach(MODEL, budget=64) as cache:
+    with epikv_cli.attach(MODEL, budget=64, policy="epikv") as cache:
         with pytest.raises(UsageError, match="does no beam search; use num_beams=1, not 2"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, num_beams=2, **GEN)
         with pytest.raises(UsageError, match="drop use_cache=False"):
@@ -128,7 +129,7 @@ def test_passing_the_output_back_continues_the_same_sequence():
 
 
 def test_chunked_prefill_is_refused():
-    with epikv_cli.attach(MODEL, budget=64) as cache:
+    with epikv_cli.attach(MODEL, budget=64, policy="epikv") as cache:
         with pytest.raises(UsageError, match="whole prompt in the first forward"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, prefill_chunk_size=4, **GEN)
 
@@ -136,7 +137,7 @@ def test_chunked_prefill_is_refused():
 def test_models_with_only_sliding_layers_are_refused():
     mistral = tiny_model("mistral", sliding_window=64)
     with pytest.raises(UsageError, match="sliding-window attention .window 64.*--policy full"):
-        with epikv_cli.attach(mistral, budget=32):
+        with epikv_cli.attach(mistral, budget=32, policy="epikv"):
             pass
     with epikv_cli.attach(mistral, budget=None, policy="full") as cache:
         mistral.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
@@ -160,14 +161,16 @@ def test_full_on_a_sliding_only_model_reports_what_its_layers_hold(window):
     assert cache.live_positions().tolist() == list(range(cache.seen - held, cache.seen))
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "rkv", "knorm"])
-def test_baselines_run_under_plain_generate(policy):
+@pytest.mark.parametrize("policy", sorted(name for name, cls in POLICIES.items() if cls.evicts))
+def test_every_evicting_policy_runs_under_plain_generate(policy):
     kernel = MODEL.config._attn_implementation
     with epikv_cli.attach(MODEL, budget=24, policy=policy) as cache:
         out = MODEL.generate(IDS, cache=cache, max_new_tokens=200, **GEN)
     assert out.shape[1] == 210
-    assert cache.evicted_total >= 209 - 24 - cache.policy.slack
-    assert cache.peak_stored == 24 + max(1, cache.policy.slack)  # K + 1 in a step; R-KV compresses at K + 128
+    assert cache.evicted_total >= 209 - 24 - epikv_cli.policy_of(cache).slack
+    assert cache.peak_stored == 24 + max(
+        1, epikv_cli.policy_of(cache).slack
+    )  # K + 1 in a step; R-KV compresses at K + 128
     assert MODEL.config._attn_implementation == kernel  # the tapped kernel is gone with the session
 
 
@@ -204,13 +207,9 @@ def test_a_reset_cache_starts_a_new_sequence_afresh():
         expected_evicted = fresh.evicted_total
     with epikv_cli.attach(MODEL, budget=30, policy="epikv") as cache:
         MODEL.generate(IDS, cache=cache, max_new_tokens=70, **GEN)
-        first_policy = cache.policy
+        first_policy = epikv_cli.policy_of(cache)
         cache.reset()
-        assert (cache.stored, cache.seen, cache.evicted_total, cache.peak_stored) == (
-            0,
-            0,
-            0,
-            0,
-        ) and cache.policy is not first_policy
+        assert (cache.stored, cache.seen, cache.evicted_total, cache.peak_stored) == (0, 0, 0, 0)
         again = MODEL.generate(other, cache=cache, max_new_tokens=50, **GEN)
         assert torch.equal(again, expected) and cache.evicted_total == expected_evicted
+        assert epikv_cli.policy_of(cache) is not first_policy  # the cache holds no policy: its session made a new one

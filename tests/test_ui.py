@@ -26,7 +26,7 @@ def run_state(tokenizer, policy="epikv", threshold=1.0, with_result=False):
         MODEL,
         tokenizer,
         ids,
-        CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].uses_recent else None),
+        CacheSettings(budget=budget, policy=policy, recent=8 if POLICIES[policy].takes_recent else None),
         SamplingSettings(max_new_tokens=120, ignore_eos=True),
     )
     state = PanelState(

@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load(ModelSettings())
     ids = build_input_ids(loaded.tokenizer, PROMPT)
-    cache = CacheSettings(budget=args.budget)
+    cache = CacheSettings(budget=args.budget, policy="epikv")
     sampling = SamplingSettings(max_new_tokens=args.tokens, ignore_eos=True)
     one_run(loaded, ids, cache, sampling, panel=True)  # warm-up
     with_panel, without, draws = [], [], []

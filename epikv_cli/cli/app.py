@@ -28,6 +28,7 @@ from epikv_cli.cli.maxcontext import max_context_command
 from epikv_cli.cli.profile import ProfileSettings, profile_command
 from epikv_cli.config import (
     ATTN_CHOICES,
+    DEFAULT_POLICY,
     DEVICE_MAP_NAMES,
     DTYPES,
     POSITION_MODES,
@@ -369,7 +370,7 @@ def generate(
             rich_help_panel=CACHE,
             help="Eviction policy (epikv: the paper's, exactly as published).",
         ),
-    ] = PolicyName.epikv2,
+    ] = PolicyName[DEFAULT_POLICY],
     recent: Annotated[
         Optional[int],
         typer.Option(
@@ -615,7 +616,9 @@ def profile(
     ] = False,
 ) -> None:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
-    runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv2"))
+    runs = ProfileSettings.parse_policies(
+        policies or ("h2o,epikv" if max_context else f"full,streaming,{DEFAULT_POLICY}")
+    )
     model_settings = ModelSettings(
         model=model,
         device_map=device_map,
@@ -680,7 +683,7 @@ def fidelity(
     ] = AttnKind.auto,
     policies: Annotated[
         str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")
-    ] = "streaming,epikv2",
+    ] = f"streaming,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
         typer.Option(
@@ -773,7 +776,7 @@ def eval_(
     ] = AttnKind.auto,
     policies: Annotated[
         str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")
-    ] = "full,epikv2",
+    ] = f"full,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
         typer.Option(metavar="B,B,...", rich_help_panel=CACHE, help="Budgets: absolute (2048) or per prompt (+512)."),

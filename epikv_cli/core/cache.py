@@ -14,7 +14,7 @@ local layers) are bounded already and stay transformers' own ``DynamicSlidingWin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -31,6 +31,33 @@ from epikv_cli.errors import UsageError
 _GROWTH = 2
 #: Slots allocated beyond the first forward's tokens (then doubling, up to the layer's limit).
 HEADROOM = 256
+
+
+FULL, SLIDING = "full", "sliding"
+
+
+def layer_groups(config: PretrainedConfig) -> tuple[list[str], list[dict]]:
+    """Per decoder layer, :data:`FULL` (bounded by the budget, evicting) or :data:`SLIDING` (a sliding or chunked
+    window, bounded already), and its transformers layer arguments; :class:`UsageError` for any other kind.
+    Both caches (one sequence, a batch of rows) classify their layers here."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    groups = []
+    for index, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            groups.append(FULL)
+        elif kind in ("sliding_attention", "chunked_attention"):
+            groups.append(SLIDING)
+        else:
+            raise UsageError(
+                f"layer {index} is a {kind!r} layer; the EpiKV cache supports full and sliding attention only"
+            )
+    return groups, layer_kwargs
+
+
+def entry_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Bytes one entry (one token, every KV head) takes in ``[batch, kv_heads, slots, dim]`` key and value buffers."""
+    return keys.shape[1] * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
 
 
 def fill_plan(stored: int, drop: set[int]) -> tuple[list[int], list[int]]:
@@ -242,15 +269,6 @@ class BudgetLayer(CacheLayerMixin):
         self.seen += count
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
-    def move(self, holes: torch.Tensor, movers: torch.Tensor, new_length: int) -> None:
-        """Copy slots ``movers`` into ``holes`` (both ``[m]`` int64 on this layer's device) and shrink to
-        ``new_length``.
-        """
-        if holes.numel():
-            self.keys.index_copy_(2, holes, self.keys.index_select(2, movers))
-            self.values.index_copy_(2, holes, self.values.index_select(2, movers))
-        self.length = new_length
-
     def move_one(self, hole: int, mover: int, new_length: int) -> None:
         """Copy slot ``mover`` into ``hole`` and shrink to ``new_length`` (no host-to-device index copy)."""
         self.keys[:, :, hole] = self.keys[:, :, mover]
@@ -280,12 +298,6 @@ class BudgetLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         self.seen = 0
-
-    def nbytes(self) -> int:
-        """Bytes held by the preallocated key and value buffers."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the EpiKV cache cannot be cropped (assisted decoding is not supported)")
@@ -327,8 +339,7 @@ class BudgetCache(Cache):
         slack: int = 0,
         granular: bool = False,
     ) -> None:
-        text_config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        groups, layer_kwargs = layer_groups(config)
         limits = [n for n in (budget + max(1, slack) if budget is not None else None, max_tokens) if n is not None]
         limit = min(limits) if limits else None
         self.budget = budget
@@ -338,20 +349,14 @@ class BudgetCache(Cache):
             None  # granular policies: per (layer, KV head) positions, made at the first write
         )
         self.table = SlotTable(HEADROOM, track=not granular)
-        layers: list = []
-        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind == "full_attention":
-                layers.append(BudgetLayer(limit))
-            elif kind in ("sliding_attention", "chunked_attention"):
-                layers.append(DynamicSlidingWindowLayer(**kwargs))
-            else:
-                raise UsageError(
-                    f"layer {index} is a {kind!r} layer; the EpiKV cache supports full and sliding attention only"
-                )
+        layers = [
+            BudgetLayer(limit) if group == FULL else DynamicSlidingWindowLayer(**kwargs)
+            for group, kwargs in zip(groups, layer_kwargs)
+        ]
         super().__init__(layers=layers)
         self.budget_layer_indices = [i for i, layer in enumerate(layers) if isinstance(layer, BudgetLayer)]
         if budget is not None and not self.budget_layer_indices:
-            window = getattr(text_config, "sliding_window", None)
+            window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
             raise UsageError(
                 f"every layer of this model uses sliding-window attention (window {window}), so its cache is "
                 "bounded already and --budget cannot apply; use --policy full"
@@ -359,31 +364,32 @@ class BudgetCache(Cache):
         self._first_budget_layer = self.budget_layer_indices[0] if self.budget_layer_indices else None
         self.evicted_total = 0
         self.peak_stored = 0
-        self.on_reset = None  # the owning session's callback: a reset cache needs a fresh policy too
-        self.policy = None  # the policy evicting from this cache (its slot-indexed state follows moves)
+        #: granular: the vacancies a forward closed before writing several tokens, ``(victims [layers, heads, 1],
+        #: last slot)`` each, for whoever keeps slot-indexed state beside the cache (the runtime tells the policy)
+        self.closed_vacancies: list[tuple[torch.Tensor, int]] = []
         self._plan: WritePlan | None = None  # where the current forward writes, decided at its first evicting layer
         #: granular, one token: per evicting layer, where each KV head writes it (see :meth:`BudgetLayer.update`)
         self._head_index: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._budget_order = {index: j for j, index in enumerate(self.budget_layer_indices)}
 
     def reset(self) -> None:
-        """Empty the cache for a new sequence: entries, slot table, counters, and (through the session) the policy."""
+        """Empty the cache for a new sequence: entries, slot table and counters (the session that owns it starts
+        its policy afresh before the next forward)."""
         super().reset()
         self.table = SlotTable(HEADROOM, track=not self.granular)
         self.head_slots = None
         self._head_index = None
         self.evicted_total = 0
         self.peak_stored = 0
-        if self.on_reset is not None:
-            self.on_reset()
+        self.closed_vacancies = []
 
     # -- transformers hooks -------------------------------------------------------------------
     @torch.compiler.disable  # bookkeeping in Python (slot table, plans): outside any compiled graph
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
             count = key_states.shape[-2]
-            if self.granular and count != 1:
-                self.close_vacant_heads()
+            if self.granular and count != 1 and (closed := self.close_vacant_heads()) is not None:
+                self.closed_vacancies.append(closed)
             self._plan = self.table.append(count)
             if self.granular:
                 if self.head_slots is None:
@@ -452,24 +458,18 @@ class BudgetCache(Cache):
         start = self.stored if (self.compressed_positions and self._first_budget_layer is not None) else self.seen
         return torch.arange(start, start + count, device=device).unsqueeze(0)
 
-    def over_budget(self) -> int:
-        """How many entries must leave to be back within the budget (0 when within it)."""
-        if self.budget is None:
-            return 0
-        return max(0, self.stored - self.budget)
+    def evict(self, slots: list[int] | HeadVictims) -> Evicted:
+        """Drop ``slots`` from every evicting layer; return their logical positions and the moves made.
 
-    def evict(self, slots: list[int] | HeadVictims) -> list[int]:
-        """Drop ``slots`` from every evicting layer; return their logical positions.
-
-        One slot leaving is left free for the next token (nothing moves); several are filled by the
-        newest entries, and the policy's slot-indexed state follows the same moves. A granular policy's
-        :class:`~epikv_cli.keepsets.HeadVictims` are applied per (layer, KV head) instead; the positions
-        returned are then those no (layer, head) holds any more.
+        One slot leaving is left free for the next token (nothing moves); several are filled by the newest
+        entries (``holes``/``movers``: whoever keeps slot-indexed state beside the cache follows them). A granular
+        policy's :class:`~epikv_cli.core.keepsets.HeadVictims` are applied per (layer, KV head) instead; the
+        positions returned are then those no (layer, head) holds any more.
         """
         if isinstance(slots, HeadVictims):
-            return self._evict_heads(slots)
+            return Evicted(self._evict_heads(slots))
         if not slots:
-            return []
+            return Evicted([])
         positions = self.table.positions[slots].tolist()
         holes, movers = self.table.plan_eviction(slots)
         if holes:
@@ -478,56 +478,41 @@ class BudgetCache(Cache):
         for layer in self.budget_layers:
             layer.length = self.table.used
         self.evicted_total += len(positions)
-        return positions
+        return Evicted(positions, holes, movers)
 
     def _evict_heads(self, victims: HeadVictims) -> list[int]:
         """Each (layer, KV head) drops its own victims; its last entries close the holes (device indices only)."""
-        count, stored = len(victims), self.table.stored
+        count = len(victims)
         if not count:
             return []
-        if count == 1:  # the steady state: each head's victim slot waits for the next token
-            self.head_slots.vacate(victims.slots[..., 0])
-        else:  # (a forward's append always fills or closes the vacancies, so none is open here)
-            with torch.inference_mode():
-                self._apply_head_moves(self.head_slots.plan(victims.slots, stored))
-        self.table.plan_eviction(
-            list(range(stored - count, stored))
-        )  # the counts; a single one leaves the last slot free
+        with torch.inference_mode():  # (a forward's append always fills or closes the vacancies: none is open here)
+            evict_heads(self.head_slots, self.table, victims, self._initialized_kv(), 0)
         for layer in self.budget_layers:
             layer.length = self.table.used
         self.evicted_total += count
         return victims.gone
 
-    def close_vacant_heads(self) -> None:
+    def close_vacant_heads(self) -> tuple[torch.Tensor, int] | None:
         """Fill the slots a granular keep-set left vacant with each head's last used entry (before anything but a
-        single token is appended, or before the entries are read in slot order elsewhere)."""
+        single token is appended, or before the entries are read in slot order elsewhere); return the moves,
+        ``(victims [layers, heads, 1], last slot)``, for slot-indexed state kept beside the cache (None: none)."""
         if self.head_slots is None or self.head_slots.vacant is None:
-            return
+            return None
         vacant = self.head_slots.vacant
         with torch.inference_mode():
-            self._apply_head_moves(self.head_slots.close_vacant(self.table.stored))
-        if self.policy is not None:
-            self.policy.follow_head_moves(vacant[..., None], self.table.stored)
+            apply_head_moves(self.head_slots.close_vacant(self.table.stored), self._initialized_kv(), 0)
+        return vacant[..., None], self.table.stored
 
-    def _apply_head_moves(self, moves) -> None:
-        for index, layer in enumerate(self.budget_layers):
-            moves.apply(layer.keys[0], index)
-            moves.apply(layer.values[0], index)
+    def _initialized_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.budget_layers if layer.is_initialized]
 
     def _move(self, holes: list[int], movers: list[int]) -> None:
-        """Copy slot ``movers[i]`` into ``holes[i]`` in every evicting layer, and in the policy's slot-indexed state."""
-        device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.budget_layers:
-            if not layer.is_initialized:
-                continue
-            if layer.device not in device_index:
-                device_index[layer.device] = (
-                    torch.tensor(holes, dtype=torch.long, device=layer.device),
-                    torch.tensor(movers, dtype=torch.long, device=layer.device),
-                )
-            layer.move(*device_index[layer.device], self.table.used)
-        if self.policy is not None:
-            self.policy.follow_moves(holes, movers)
+        """Copy slot ``movers[i]`` into ``holes[i]`` in every evicting layer."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for keys, values in self._initialized_kv():
+            by_device.setdefault(keys.device, []).append((keys, values))
+        for device, buffers in by_device.items():
+            move_entries(buffers, [0] * len(holes), holes, movers, device)
 
     def commit(self) -> range:
         """Close a forward: return the logical positions it appended."""
@@ -543,11 +528,68 @@ class BudgetCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes held by all key/value buffers now (evicting layers' allocated slots plus sliding windows)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, BudgetLayer):
-                total += layer.nbytes()
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size()
-                total += layer.values.numel() * layer.values.element_size()
-        return total
+        return sum(
+            entry_bytes(layer.keys, layer.values) * layer.keys.shape[2]
+            for layer in self.layers
+            if getattr(layer, "is_initialized", False) and layer.keys is not None
+        )
+
+    # -- what a policy reads (epikv_cli.core.view.CacheView) ----------------------------------------
+    @property
+    def evicting_layers(self) -> list[int]:
+        """The decoder blocks whose cache is bounded, in order."""
+        return self.budget_layer_indices
+
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[1, kv_heads, used, head_dim]`` of the ``index``-th evicting layer (views)."""
+        return self.layers[self.budget_layer_indices[index]].live()
+
+
+@dataclass
+class Evicted:
+    """What one eviction did: the logical ``positions`` that left, and the slot moves that closed their holes
+    (``movers[i]`` into ``holes[i]``; none when one entry left a free slot, or per-head keep-sets)."""
+
+    positions: list[int]
+    holes: list[int] = field(default_factory=list)
+    movers: list[int] = field(default_factory=list)
+
+
+def move_entries(
+    buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    rows: list[int],
+    holes: list[int],
+    movers: list[int],
+    device: torch.device,
+) -> None:
+    """Copy slot ``movers[i]`` into slot ``holes[i]`` of batch row ``rows[i]`` in every ``(keys, values)`` pair of
+    ``[batch, kv_heads, slots, dim]`` buffers on ``device`` (one indexed copy per buffer)."""
+    r = torch.tensor(rows, dtype=torch.long, device=device)
+    h = torch.tensor(holes, dtype=torch.long, device=device)
+    m = torch.tensor(movers, dtype=torch.long, device=device)
+    for keys, values in buffers:
+        keys[r, :, h] = keys[r, :, m]
+        values[r, :, h] = values[r, :, m]
+
+
+def evict_heads(
+    heads: HeadSlots, table: SlotTable, victims: HeadVictims, buffers: list[tuple[torch.Tensor, torch.Tensor]], row: int
+) -> None:
+    """A keep-set per (layer, KV head) drops its own victims from batch row ``row`` of ``buffers`` (each evicting
+    layer's keys and values). One victim per (layer, head), the steady state, leaves its slot vacant for the next
+    token (nothing moves); several (a prompt over the budget) are closed by gathering each head's kept entries to
+    the front. ``table`` keeps the shared counts (one victim leaves the last slot free)."""
+    stored, count = table.stored, len(victims)
+    if count == 1:
+        heads.vacate(victims.slots[..., 0])
+    else:
+        apply_head_moves(heads.plan(victims.slots, stored), buffers, row)
+    table.plan_eviction(list(range(stored - count, stored)))
+
+
+def apply_head_moves(moves, buffers: list[tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
+    """Apply a granular keep-set's :class:`~epikv_cli.core.keepsets.HeadMoves` to batch row ``row`` of each evicting
+    layer's ``(keys, values)`` buffers (``buffers[j]`` is the ``j``-th evicting layer's)."""
+    for index, (keys, values) in enumerate(buffers):
+        moves.apply(keys[row], index)
+        moves.apply(values[row], index)

@@ -18,32 +18,39 @@ looks to them exactly like a single-sequence :class:`~epikv_cli.cache.BudgetCach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.core.cache import BudgetCache, BudgetLayer, SlotTable
+from epikv_cli.core.cache import (
+    FULL,
+    SLIDING,
+    BudgetCache,
+    BudgetLayer,
+    SlotTable,
+    entry_bytes,
+    evict_heads,
+    layer_groups,
+    move_entries,
+)
 from epikv_cli.core.keepsets import HeadSlots, HeadVictims
 from epikv_cli.errors import UsageError
 
-if TYPE_CHECKING:
-    from epikv_cli.policies.base import Policy
-
-FULL, SLIDING = "full", "sliding"
 #: Slots allocated beyond a batched prefill's length (then doubling as rows grow).
 PREFILL_HEADROOM = 64
 
 
 @dataclass
 class Row:
-    """One sequence of the batch: its slot tables per layer group, its policy and its counters."""
+    """One sequence of the batch: its slot tables per layer group and its counters (its policy is the runtime's).
 
-    settings: CacheSettings
-    policy: Policy
+    Attributes:
+        budget: K (None: unbounded); compressed: RoPE positions are the stored count (the paper-time harness).
+    """
+
     budget: int | None
+    compressed: bool
     tables: dict[str, SlotTable]
     queries_needed: int = 0
     evicted_total: int = 0
@@ -114,18 +121,7 @@ class RowsCache(Cache):
     """The batch's cache. Build it empty, then :meth:`adopt` prefilled sequences."""
 
     def __init__(self, config: PretrainedConfig) -> None:
-        text_config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        groups = []
-        for index, kind in enumerate(layer_types):
-            if kind == "full_attention":
-                groups.append(FULL)
-            elif kind in ("sliding_attention", "chunked_attention"):
-                groups.append(SLIDING)
-            else:
-                raise UsageError(
-                    f"layer {index} is a {kind!r} layer; batched decoding supports full and sliding attention only"
-                )
+        groups, layer_kwargs = layer_groups(config)
         self.groups = groups
         self.window = next(
             (kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None
@@ -168,9 +164,11 @@ class RowsCache(Cache):
         layer.values = torch.cat([layer.values, pad.clone()])
         layer.is_initialized = True
 
-    def adopt(self, source: BudgetCache, settings: CacheSettings, policy: Policy, queries_needed: int = 0) -> int:
-        """Add a row from a prefilled single-sequence cache (its entries, positions and policy); return its index."""
-        source.close_vacant_heads()  # rows move entries at once: no slot may wait for a next token
+    def adopt(self, source: BudgetCache, compressed: bool = False, queries_needed: int = 0) -> int:
+        """Add a row from a prefilled single-sequence cache (its entries, positions and counters); return its index.
+        Its vacant slots (a granular keep-set's) must be closed first (:meth:`BudgetCache.close_vacant_heads`)."""
+        if source.head_slots is not None and source.head_slots.vacant is not None:
+            raise RuntimeError("close the source's vacant slots before a row adopts it: rows move entries at once")
         tables: dict[str, SlotTable] = {}
         for index, (group, layer) in enumerate(zip(self.groups, self.layers)):
             origin = source.layers[index]
@@ -185,9 +183,8 @@ class RowsCache(Cache):
                 tables[group] = _table_for(source, group, keys.shape[2])
         budget = source.budget
         row = Row(
-            settings,
-            policy,
             budget,
+            compressed,
             tables,
             queries_needed,
             source.evicted_total,
@@ -207,10 +204,12 @@ class RowsCache(Cache):
         self.step_lengths.clear()
 
     def finish_prefill(
-        self, pads: list[int], settings: list[CacheSettings], policies: list[Policy], queries_needed: list[int]
+        self, pads: list[int], rows: list[tuple[int | None, bool, bool]], queries_needed: list[int]
     ) -> None:
         """Turn the prefilled batch into rows: row ``b``'s real tokens (after its ``pads[b]`` padding) move to
-        the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table and policy."""
+        the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table.
+        ``rows[b]``: its budget (None: unbounded), whether its positions are compressed, and whether its keep-set
+        is per (layer, KV head)."""
         self.prefilling = False
         length = self.prefill_length
         keep = {FULL: [length - pad for pad in pads]}
@@ -222,22 +221,21 @@ class RowsCache(Cache):
                     layer.keys[row, :, :count] = layer.keys[row, :, length - count : length].clone()
                     layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
         full = self.layers[self.full_layer_indices[0]].keys if self.full_layer_indices else None
-        for row, (setting, policy) in enumerate(zip(settings, policies)):
+        for row, (budget, compressed, granular) in enumerate(rows):
             prompt = length - pads[row]
             tables = {group: tail_table(prompt, counts[row], prompt) for group, counts in keep.items()}
-            budget = setting.budget if policy.evicts else None
             heads = None
-            if policy.granular:
+            if granular:
                 heads = HeadSlots(len(self.full_layer_indices), full.shape[1], full.device)
                 heads.append(0, prompt, 0)
-            self.rows.append(Row(setting, policy, budget, tables, queries_needed[row], heads=heads))
+            self.rows.append(Row(budget, compressed, tables, queries_needed[row], heads=heads))
 
     def row(self, index: int) -> RowView:
-        """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ``policy``, ...)."""
+        """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ...)."""
         return RowView(self, index)
 
     def reset(self) -> None:
-        """Empty the cache for a new batch: every row, its slots and policy, and the step's write plan."""
+        """Empty the cache for a new batch: every row, its slots, and the step's write plan."""
         self.rows = []
         for layer in self.layers:
             layer.keys = layer.values = None
@@ -276,7 +274,7 @@ class RowsCache(Cache):
             visible = torch.arange(length)[None, :] < used_after[:, None]
             mask = torch.zeros((len(self.rows), 1, 1, length), dtype=dtype)
             masks[group] = to_device(mask.masked_fill(~visible[:, None, None, :], torch.finfo(dtype).min), device)
-        positions = [row.full.stored if row.settings.positions == "compressed" else row.full.seen for row in self.rows]
+        positions = [row.full.stored if row.compressed else row.full.seen for row in self.rows]
         return to_device(torch.tensor(positions).unsqueeze(1), device), masks
 
     def _plan_writes(self, group: str, slots: torch.Tensor) -> None:
@@ -321,72 +319,58 @@ class RowsCache(Cache):
                 table.append(1)
             row.full.committed = row.full.seen
 
-    def evict(self, plans: dict[str, list[tuple[int, list[int]]]]) -> None:
-        """Drop, per group, ``(row, slots)`` pairs: a single slot is left free for the row's next token,
-        several are filled by the row's newest entries (and its policy's slot-indexed state follows)."""
+    def evict(
+        self, plans: dict[str, list[tuple[int, list[int] | HeadVictims]]]
+    ) -> dict[int, tuple[list[int], list[int]]]:
+        """Drop, per group, ``(row, slots)`` pairs: a single slot is left free for the row's next token, several are
+        filled by the row's newest entries. Return, per row whose full layers moved entries, ``(holes, movers)``
+        (``movers[i]`` went into ``holes[i]``), for whoever keeps slot-indexed state beside the cache."""
+        moved: dict[int, tuple[list[int], list[int]]] = {}
         with torch.inference_mode():  # the buffers were written under the forward's inference mode
             for group, pairs in plans.items():
                 rows, holes, movers = [], [], []
-                granular = [(row_index, slots) for row_index, slots in pairs if isinstance(slots, HeadVictims)]
-                if granular:
-                    self._evict_heads(granular)
                 for row_index, slots in pairs:
                     if isinstance(slots, HeadVictims):
+                        self._evict_heads(row_index, slots)
                         continue
                     hole, mover = self.rows[row_index].tables[group].plan_eviction(slots)
                     if hole and group == FULL:
-                        self.rows[row_index].policy.follow_moves(hole, mover)
+                        moved[row_index] = (hole, mover)
                     rows += [row_index] * len(hole)
                     holes += hole
                     movers += mover
                 if holes:
                     self._move(group, rows, holes, movers)
+        return moved
 
-    def _evict_heads(self, granular: list[tuple[int, HeadVictims]]) -> None:
-        """Each granular row drops its own victims in every (layer, KV head). One victim per (layer, head), the
-        steady state, leaves its slot vacant for the row's next token (nothing moves, as in a single
-        sequence's cache); several (a prompt over the budget) are closed by gathering each head's kept
-        entries to the front."""
-        for index, victims in granular:
-            row = self.rows[index]
-            stored, count = row.full.stored, len(victims)
-            if count == 1:
-                row.heads.vacate(victims.slots[..., 0])
-            else:
-                moves = row.heads.plan(victims.slots, stored)
-                for j, layer_index in enumerate(self.full_layer_indices):
-                    layer = self.layers[layer_index]
-                    moves.apply(layer.keys[index], j)
-                    moves.apply(layer.values[index], j)
-            row.full.plan_eviction(list(range(stored - count, stored)))  # the counts; one leaves the last slot free
+    def _evict_heads(self, index: int, victims: HeadVictims) -> None:
+        """A granular row drops its own victims in every (layer, KV head). One victim per (layer, head), the steady
+        state, leaves its slot vacant for the row's next token (nothing moves, as in a single sequence's cache);
+        several (a prompt over the budget) are closed by gathering each head's kept entries to the front."""
+        row = self.rows[index]
+        buffers = [(self.layers[i].keys, self.layers[i].values) for i in self.full_layer_indices]
+        evict_heads(row.heads, row.full, victims, buffers, index)
 
     def _move(self, group: str, rows: list[int], holes: list[int], movers: list[int]) -> None:
         """Copy slot ``movers[i]`` into ``holes[i]`` of row ``rows[i]`` in every layer of ``group``."""
         for layer in self.layers:
-            if layer.group != group:
-                continue
-            r = torch.tensor(rows, device=layer.keys.device)
-            h, m = torch.tensor(holes, device=layer.keys.device), torch.tensor(movers, device=layer.keys.device)
-            layer.keys[r, :, h] = layer.keys[r, :, m]
-            layer.values[r, :, h] = layer.values[r, :, m]
+            if layer.group == group:
+                move_entries([(layer.keys, layer.values)], rows, holes, movers, layer.keys.device)
 
     def nbytes(self) -> int:
         """Bytes the key and value buffers hold: every row's slots, padding and room to grow included."""
         return sum(
-            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            entry_bytes(layer.keys, layer.values) * layer.keys.shape[0] * layer.keys.shape[2]
             for layer in self.layers
             if layer.keys is not None
         )
 
     def kv_bytes(self, row: int) -> int:
         """Bytes one row's entries occupy (its share of the padded buffers is not counted)."""
-        total = 0
-        for group, layer in zip(self.groups, self.layers):
-            per_entry = (
-                layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-            )
-            total += per_entry * self.rows[row].tables[group].stored
-        return total
+        return sum(
+            entry_bytes(layer.keys, layer.values) * self.rows[row].tables[group].stored
+            for group, layer in zip(self.groups, self.layers)
+        )
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -422,7 +406,8 @@ def tail_table(seen: int, count: int, prompt_len: int) -> SlotTable:
 
 
 class RowView:
-    """One row of a :class:`RowsCache` with the interface policies use on a :class:`BudgetCache`."""
+    """One row of a :class:`RowsCache` as a policy sees it (a :class:`~epikv_cli.core.view.CacheView`, as a
+    :class:`BudgetCache` is), with the row's counters."""
 
     def __init__(self, cache: RowsCache, index: int) -> None:
         self.cache = cache
@@ -460,29 +445,14 @@ class RowView:
         return self.row.peak_stored
 
     @property
-    def policy(self) -> Policy:
-        return self.row.policy
-
-    @property
-    def budget_layer_indices(self) -> list[int]:
+    def evicting_layers(self) -> list[int]:
         return self.cache.full_layer_indices
 
     @property
     def head_slots(self) -> HeadSlots | None:
         return self.row.heads
 
-    @property
-    def budget_layers(self) -> list[_LayerRow]:
-        return [_LayerRow(self.cache.layers[i], self.index, self.row.full.used) for i in self.cache.full_layer_indices]
-
-
-class _LayerRow:
-    """One layer of one row: ``live()`` gives its ``[1, kv_heads, stored, head_dim]`` keys and values (views)."""
-
-    def __init__(self, layer: RowsLayer, index: int, stored: int) -> None:
-        self.keys = layer.keys
-        self._layer, self._index, self._stored = layer, index, stored
-
-    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
-        i, n = self._index, self._stored
-        return self._layer.keys[i : i + 1, :, :n], self._layer.values[i : i + 1, :, :n]
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[1, kv_heads, used, head_dim]`` of the ``index``-th evicting layer, this row's (views)."""
+        layer, i, n = self.cache.layers[self.cache.full_layer_indices[index]], self.index, self.row.full.used
+        return layer.keys[i : i + 1, :, :n], layer.values[i : i + 1, :, :n]

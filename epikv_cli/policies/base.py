@@ -14,8 +14,8 @@ from epikv_cli.errors import UsageError
 if TYPE_CHECKING:
     from epikv_cli.config import CacheSettings
     from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
-    from epikv_cli.core.cache import BudgetCache
     from epikv_cli.core.keepsets import HeadVictims
+    from epikv_cli.core.view import CacheView
 
 #: The recent window's cap in METHOD.md: R = min(128, K // 4).
 RECENT_CAP = 128
@@ -42,7 +42,7 @@ class Signals:
     prompt: bool
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     attention: AttentionRecord | None = None
-    cache: BudgetCache | None = None
+    cache: CacheView | None = None
 
     def new_slots(self) -> slice:
         """The cache slots holding the appended tokens (always a contiguous run: the free slot, or the end)."""
@@ -58,7 +58,7 @@ class Policy(ABC):
         evicts: False for the unbounded ``full`` cache.
         has_scores: True when each token gets a frozen score worth plotting.
         protects_prompt: True when prompt tokens and the recent window are never evicted.
-        uses_recent: False when the policy has no recent window, so ``--recent`` means nothing to it.
+        takes_recent: False when the policy has no recent window, so ``--recent`` means nothing to it.
         attention_needs: what the policy reads from attention (None: nothing, it runs on any kernel).
         slack: entries the cache may hold beyond K between evictions (R-KV compresses in batches).
         staged: True when the policy observes in two halves, :meth:`stage` on the device and
@@ -76,7 +76,7 @@ class Policy(ABC):
     evicts: ClassVar[bool] = True
     has_scores: ClassVar[bool] = False
     protects_prompt: ClassVar[bool] = True
-    uses_recent: ClassVar[bool] = True
+    takes_recent: ClassVar[bool] = True
     attention_needs: ClassVar[AttentionNeeds | None] = None
     slack: ClassVar[int] = 0
     staged: ClassVar[bool] = False
@@ -100,11 +100,6 @@ class Policy(ABC):
     def tap_layers(self) -> list[int]:
         """Decoder blocks whose outputs :meth:`observe` needs."""
         return []
-
-    @classmethod
-    def takes_recent(cls) -> bool:
-        """Whether ``--recent`` sets a recent window of this policy."""
-        return cls.uses_recent
 
     @staticmethod
     def default_recent(budget: int) -> int:
@@ -148,7 +143,7 @@ class Policy(ABC):
         """Host half of :meth:`observe`: ``values`` are CPU float64 copies of what :meth:`stage` returned."""
 
     @abstractmethod
-    def select(self, cache: BudgetCache, count: int) -> list[int] | HeadVictims:
+    def select(self, cache: CacheView, count: int) -> list[int] | HeadVictims:
         """Return ``count`` live slots of ``cache`` to evict (a granular policy: ``count`` per layer and head)."""
 
     def follow_moves(self, holes: list[int], movers: list[int]) -> None:
@@ -188,6 +183,10 @@ class Policy(ABC):
             f"{self.recent_for(budget)}-token recent window; use --budget {needed} or more "
             f"(its recent window is {self.recent_for(needed)}), a shorter prompt, or a smaller --recent"
         )
+
+    def report(self) -> dict:
+        """What this policy says of its run, for results and ``--json`` (``policy_report``); JSON types only."""
+        return {}
 
     def score_of(self, position: int) -> float | None:
         """The frozen score of the token at ``position``, if this policy keeps one."""

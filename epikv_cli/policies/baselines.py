@@ -10,7 +10,7 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.policies.base import Policy, evictable_mask
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 
 class FullCache(Policy):
@@ -18,13 +18,13 @@ class FullCache(Policy):
 
     name = "full"
     evicts = False
-    uses_recent = False
+    takes_recent = False
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> FullCache:
         return cls()
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         return []
 
 
@@ -33,7 +33,7 @@ class Streaming(Policy):
 
     name = "streaming"
     protects_prompt = False
-    uses_recent = False
+    takes_recent = False
 
     def __init__(self, sinks: int = 4) -> None:
         self.sinks = sinks
@@ -52,7 +52,7 @@ class Streaming(Policy):
             f"at least one recent token; use --budget {needed} or more"
         )
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         """The ``count`` oldest non-sink tokens: streaming evicts in position order, O(count) per step."""
         leaving = list(range(self._oldest, self._oldest + count))
         self._oldest += count
@@ -72,7 +72,7 @@ class RandomEviction(Policy):
     def from_settings(cls, settings: CacheSettings) -> RandomEviction:
         return cls(recent=cls.recent_from(settings), seed=settings.seed)
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()
         slots = torch.nonzero(evictable_mask(positions, cache.prompt_len, cache.seen, self.recent), as_tuple=True)[0]
         pick = torch.randperm(slots.numel(), generator=self.generator)[:count]

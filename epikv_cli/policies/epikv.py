@@ -135,6 +135,14 @@ class EpiKV(ScoredPolicy):
                 )
         self.bands = [Band(layer, sign, RollingZScore(self.window, self.eps)) for layer, sign in pairs]
 
+    def report(self) -> dict:
+        """The bands, ``[[layer, sign], ...]``, where they came from, and the non-finite score count."""
+        return {
+            "bands": [[band.layer, band.sign] for band in self.bands] or None,
+            "bands_source": self.bands_source,
+            **super().report(),
+        }
+
     def tap_layers(self) -> list[int]:
         return sorted({band.layer for band in self.bands})
 

@@ -57,7 +57,7 @@ from epikv_cli.policies.epikv import EpiKV
 from epikv_cli.policies.keep_scored import CandidateHeap, ScoreBook
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 
 def received_attention(
@@ -339,7 +339,7 @@ class EpiKV2(Policy):
 
     name = "epikv2"
     protects_prompt = False
-    uses_recent = False
+    takes_recent = True  # --recent R is its recent option, in tokens (recent_for reads its share or count)
     staged = True
     #: granular: each step's victims decided from a short list built at each refresh (False: search all K
     #: every step, the reference the list is tested against)
@@ -474,10 +474,6 @@ class EpiKV2(Policy):
         return self.epiphany.tap_layers() if self.epiphany is not None else []
 
     @classmethod
-    def takes_recent(cls) -> bool:
-        return True  # --recent R is the recent option in tokens
-
-    @classmethod
     def from_settings(cls, settings: CacheSettings) -> EpiKV2:
         options = cls.options_from(settings)
         if settings.recent is not None:  # settings refuse --recent together with recent=
@@ -497,10 +493,10 @@ class EpiKV2(Policy):
         positions = cache.live_positions()
         seen = cache.seen
         total = None
-        for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):
+        for j, index in enumerate(cache.evicting_layers):
             queries = record.queries[index]
             query_positions = torch.arange(seen - queries.shape[1], seen)
-            keys, values = layer.live()
+            keys, values = cache.layer_kv(j)
             part = received_attention(
                 queries,
                 keys[0],
@@ -510,7 +506,7 @@ class EpiKV2(Policy):
                 values=values[0] if self.value_weighted else None,
             )
             total = part if total is None else total + part.to(total.device)
-        total = total / len(cache.budget_layers)
+        total = total / len(cache.evicting_layers)
         return [pooled_over_positions(total, positions, self.pool) if self.pool > 1 else total]
 
     def _refreshes(self, signals: Signals) -> bool:
@@ -535,7 +531,8 @@ class EpiKV2(Policy):
             self._recent_by_layer = torch.full((slots.layers,), self.recent, dtype=torch.long, device=scores.device)
         refreshed = self._refreshes(signals)
         if refreshed and self.signal == "attention":
-            indices, live = cache.budget_layer_indices, [layer.live() for layer in cache.budget_layers]
+            indices = cache.evicting_layers
+            live = [cache.layer_kv(j) for j in range(len(indices))]
             queries = [signals.attention.queries[index] for index in indices]
             width = queries[0].shape[1]
             far = None
@@ -692,7 +689,7 @@ class EpiKV2(Policy):
             what += f" and the {prompt_len}-token prompt"
         return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
 
-    def select(self, cache: BudgetCache, count: int) -> list[int] | HeadVictims:
+    def select(self, cache: CacheView, count: int) -> list[int] | HeadVictims:
         """The ``count`` lowest scores among the evictable tokens (unscored counts as 0; ties: the older).
 
         Between refreshes scores are frozen and one token leaves the recent window per step, so the

@@ -19,7 +19,7 @@ from epikv_cli.policies.base import Policy, Signals, lowest
 from epikv_cli.policies.keep_scored import ScoreBook
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 SINKS = 4
 
@@ -74,7 +74,7 @@ class H2O(Policy):
         """``[n]`` bool: neither a sink nor in the recent window."""
         return (positions >= self.sinks) & (positions < seen - self.recent)
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()
         scores = torch.nan_to_num(self.accumulated.gather(positions), nan=0.0)
         return lowest(scores, positions, self.candidates(positions, cache.seen), count)

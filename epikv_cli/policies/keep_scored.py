@@ -11,7 +11,7 @@ import torch
 from epikv_cli.policies.base import Policy
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 
 class ScoreBook:
@@ -124,9 +124,13 @@ class ScoredPolicy(Policy):
             score = 0.0
         self.book.set(position, score)
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         self.candidates.admit(self.book, cache.prompt_len, cache.seen - self.recent)
         return cache.slots_of(self.candidates.pop(count))
+
+    def report(self) -> dict:
+        """``nonfinite_scores``: tokens whose score signal was NaN or infinite (scored 0 instead)."""
+        return {"nonfinite_scores": self.nonfinite}
 
     def score_of(self, position: int) -> float | None:
         return self.book.get(position)

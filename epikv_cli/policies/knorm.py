@@ -33,7 +33,8 @@ class KeyNorm(ScoredPolicy):
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """Minus the appended keys' L2 norms, mean over KV heads and evicting layers: ``[q]`` on the device."""
         cache, slots = signals.cache, signals.new_slots()
-        norms = [layer.live()[0][0, :, slots].float().norm(dim=-1).mean(dim=0) for layer in cache.budget_layers]
+        layers = range(len(cache.evicting_layers))
+        norms = [cache.layer_kv(j)[0][0, :, slots].float().norm(dim=-1).mean(dim=0) for j in layers]
         return [-torch.stack([n.to(norms[0].device) for n in norms]).mean(dim=0)]
 
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:

@@ -35,7 +35,7 @@ from epikv_cli.policies.base import Policy, Signals, evictable_mask, lowest
 from epikv_cli.policies.keep_scored import ScoredPolicy
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 LAG_CHUNK = 128
 LAG_EPS = 1e-9
@@ -74,21 +74,21 @@ def lag_scores(x: torch.Tensor, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) ->
     return _spread(normalised.view(heads, chunks * chunk, dim)[:, :n])
 
 
-def layer_mean(cache: BudgetCache, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_mean(cache: CacheView, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise mean over evicting layers of the live keys and values of slots ``start:stop``, ``[kv_heads, n,
     dim]`` each.
     """
     keys = values = None
-    layers = cache.budget_layers
-    for layer in layers:
-        k, v = layer.live()
+    layers = len(cache.evicting_layers)
+    for j in range(layers):
+        k, v = cache.layer_kv(j)
         k, v = k[0, :, start:stop].float(), v[0, :, start:stop].float()
         if keys is None:
             keys, values = k.clone(), v.clone()
         else:
             keys += k.to(keys.device)
             values += v.to(values.device)
-    return keys / len(layers), values / len(layers)
+    return keys / layers, values / layers
 
 
 class LagKV(Policy):
@@ -137,7 +137,7 @@ class LagKV(Policy):
         self.mean_values[:, slots] = values
         self.length = max(self.length, slots.stop)
 
-    def token_scores(self, cache: BudgetCache) -> torch.Tensor:
+    def token_scores(self, cache: CacheView) -> torch.Tensor:
         """``[stored]`` Lag-KV scores of the live slots, in slot order."""
         positions = cache.live_positions()
         order = torch.argsort(positions)
@@ -150,7 +150,7 @@ class LagKV(Policy):
         scores[order_dev] = logical
         return scores.cpu()
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()
         candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
         return lowest(self.token_scores(cache), positions, candidates, count)

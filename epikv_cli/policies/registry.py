@@ -6,21 +6,35 @@ checked against its policy (name, budget, recent window, bands, options), before
 
 from __future__ import annotations
 
+import importlib
+
 from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy
-from epikv_cli.policies.baselines import FullCache, RandomEviction, Streaming
-from epikv_cli.policies.epikv import EpiKV
-from epikv_cli.policies.epikv2 import EpiKV2
-from epikv_cli.policies.h2o import H2O
-from epikv_cli.policies.knorm import KeyNorm
-from epikv_cli.policies.lagkv import LagKV
-from epikv_cli.policies.rkv import RKV
-from epikv_cli.policies.tova import TOVA
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (EpiKV, EpiKV2, LagKV, Streaming, RandomEviction, FullCache, H2O, TOVA, RKV, KeyNorm)
-}
+#: The registered policies, one line each: ``"module:Class"``. Adding a policy is its file, its line here and
+#: ``make docs`` (docs/adding-a-policy.md); the tests iterate over :data:`POLICIES`.
+REGISTERED = (
+    "epikv_cli.policies.epikv:EpiKV",
+    "epikv_cli.policies.epikv2:EpiKV2",
+    "epikv_cli.policies.lagkv:LagKV",
+    "epikv_cli.policies.baselines:Streaming",
+    "epikv_cli.policies.baselines:RandomEviction",
+    "epikv_cli.policies.baselines:FullCache",
+    "epikv_cli.policies.h2o:H2O",
+    "epikv_cli.policies.tova:TOVA",
+    "epikv_cli.policies.rkv:RKV",
+    "epikv_cli.policies.knorm:KeyNorm",
+)
+
+
+def _policy_class(target: str) -> type[Policy]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+#: ``--policy`` name -> class.
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in map(_policy_class, REGISTERED)}
 
 
 def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -37,9 +51,14 @@ def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     return name, tuple(options)
 
 
+def evicts(name: str) -> bool:
+    """Whether the policy named ``name`` (a registered name) bounds the cache: ``full`` does not."""
+    return POLICIES[name].evicts
+
+
 def recent_window_policies() -> list[str]:
     """Names of the policies that take ``--recent``, sorted."""
-    return sorted(name for name, cls in POLICIES.items() if cls.takes_recent())
+    return sorted(name for name, cls in POLICIES.items() if cls.takes_recent)
 
 
 def check_settings(settings: CacheSettings) -> CacheSettings:
@@ -50,7 +69,7 @@ def check_settings(settings: CacheSettings) -> CacheSettings:
     cls = POLICIES[settings.policy]
     if settings.budget is None and cls.evicts:
         raise UsageError(f"policy {settings.policy!r} needs a --budget")
-    if settings.recent is not None and not cls.takes_recent():
+    if settings.recent is not None and not cls.takes_recent:
         raise UsageError(
             f"--recent does not apply to policy {settings.policy!r} (it keeps no separate recent window); "
             f"drop --recent or choose one of: {', '.join(recent_window_policies())}"
@@ -66,5 +85,5 @@ def make_policy(settings: CacheSettings) -> Policy:
     """The policy named by ``settings.policy``, configured from ``settings``."""
     check_settings(settings)
     policy = POLICIES[settings.policy].from_settings(settings)
-    policy.recent_follows_budget = policy.uses_recent and settings.recent is None
+    policy.recent_follows_budget = policy.takes_recent and settings.recent is None
     return policy

@@ -23,7 +23,7 @@ from epikv_cli.core.attention import AttentionNeeds
 from epikv_cli.policies.base import Policy
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 WINDOW = 8
 BUFFER = 128
@@ -76,7 +76,7 @@ class RKV(Policy):
 
     name = "rkv"
     protects_prompt = False
-    uses_recent = False
+    takes_recent = False
     attention_needs = AttentionNeeds(queries=WINDOW)
     slack = BUFFER
 
@@ -104,21 +104,22 @@ class RKV(Policy):
             f"--budget {needed} or more"
         )
 
-    def scores(self, cache: BudgetCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, cache: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
         """``(order, score)``: live slots in logical order and the ``[n - window]`` scores of all but the last
         window.
         """
         order = torch.argsort(cache.live_positions())
         total = None
-        for index, layer in zip(cache.budget_layer_indices, cache.budget_layers):
-            keys = layer.live()[0][0][:, order.to(layer.keys.device)]  # [kv_heads, n, dim], logical order
+        for j, index in enumerate(cache.evicting_layers):
+            live = cache.layer_kv(j)[0][0]
+            keys = live[:, order.to(live.device)]  # [kv_heads, n, dim], logical order
             queries = self.queries[index].to(keys.device)
             past = self.mix * importance(queries, keys, self.window, scaling=self.scaling.get(index))
             joint = (past - (1 - self.mix) * redundancy(keys)[:, : -self.window]).mean(dim=0).cpu()
             total = joint if total is None else total + joint
-        return order, total / len(cache.budget_layers)
+        return order, total / len(cache.evicting_layers)
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         """Nothing until K + 128 entries are stored; then back to K at once."""
         if count < self.buffer:
             return []

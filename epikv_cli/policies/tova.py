@@ -16,7 +16,7 @@ from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
 from epikv_cli.policies.base import Policy, Signals, lowest
 
 if TYPE_CHECKING:
-    from epikv_cli.core.cache import BudgetCache
+    from epikv_cli.core.view import CacheView
 
 
 class TOVA(Policy):
@@ -24,7 +24,7 @@ class TOVA(Policy):
 
     name = "tova"
     protects_prompt = False
-    uses_recent = False
+    takes_recent = False
     attention_needs = AttentionNeeds(last_row=True)
     staged = True
 
@@ -50,6 +50,6 @@ class TOVA(Policy):
             f"--budget {needed} or more"
         )
 
-    def select(self, cache: BudgetCache, count: int) -> list[int]:
+    def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()
         return lowest(self.current, positions, positions != cache.seen - 1, count)

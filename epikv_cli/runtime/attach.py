@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from epikv_cli.config import CacheSettings
+from epikv_cli.config import DEFAULT_POLICY, CacheSettings
 from epikv_cli.core.cache import BudgetCache
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.rows import RowsCache
@@ -110,7 +110,7 @@ class BatchSession:
 def attach(
     model: nn.Module,
     budget: int | None = 4096,
-    policy: str = "epikv",
+    policy: str = DEFAULT_POLICY,
     recent: int | None = None,
     bands: tuple[tuple[int, float], ...] | None = None,
     positions: str = "logical",
@@ -122,8 +122,9 @@ def attach(
 
     Yields the cache to pass as ``past_key_values=`` (or ``cache=``) to ``model.generate`` or to the
     forward; no beam search. With ``batch_size=1`` it is a :class:`BudgetCache`, which exposes
-    ``stored``, ``seen``, ``evicted_total``, ``peak_stored``, ``live_positions()`` and ``policy``
-    (``policy.score_of(position)`` for EpiKV). With ``batch_size=B`` the inputs are B left-padded
+    ``stored``, ``seen``, ``evicted_total``, ``peak_stored`` and ``live_positions()``; the policy evicting
+    from it is ``epikv_cli.policy_of(cache)`` (``.score_of(position)`` for EpiKV, ``.report()``). With
+    ``batch_size=B`` the inputs are B left-padded
     prompts (``tokenizer.padding_side = "left"``) and the cache a :class:`RowsCache`, each row with its
     own keep-set; ``cache.row(b)`` exposes the same attributes for row ``b``.
 

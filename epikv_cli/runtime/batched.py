@@ -24,9 +24,11 @@ from epikv_cli.core.keepsets import HeadVictims
 from epikv_cli.core.rows import FULL, SLIDING, RowsCache, RowView
 from epikv_cli.core.scratch import ScratchHold
 from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
+from epikv_cli.core.view import Victims
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import Signals
+from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.step import Observed, choose, follow, observe
 from epikv_cli.runtime.stream import CacheStream, input_device
 
 
@@ -76,7 +78,9 @@ class BatchDecoder:
         if self.attention is not None:
             self.attention.set_active(False)
         self.sliding = SLIDING in self.cache.groups
-        self._pending: list[tuple[Signals, list[torch.Tensor]]] = []  # per row: what its policy left to settle
+        #: per row (in the cache's row order): the policy that evicts from it (the cache holds none)
+        self.policies: list[Policy] = []
+        self._pending: list[Observed] = []  # per row: what its policy left to settle
         self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
         self._scratch = ScratchHold()
 
@@ -94,7 +98,11 @@ class BatchDecoder:
             logits = stream.feed(ids)
             policy = stream.session.policy
             needs = policy.attention_needs
-            self.cache.adopt(stream.cache, settings, policy, needs.queries if needs else 0)
+            closed = stream.cache.close_vacant_heads()  # rows move entries at once: no slot may wait for a token
+            if closed is not None:
+                policy.follow_head_moves(*closed)
+            self.cache.adopt(stream.cache, settings.positions == "compressed", needs.queries if needs else 0)
+            self.policies.append(policy)
             self.cache.rows[-1].last_evicted = list(stream.session.last.evicted)  # what the prefill itself evicted
             if self.attention is not None and self.needs.queries:
                 self._join_queries(stream)
@@ -145,9 +153,7 @@ class BatchDecoder:
         positions, masks = self.cache.begin_step(self.dtype, self.device)
         if self.attention is not None and self.needs.weights:  # weights only for the rows whose policies read them
             readers = [
-                i
-                for i, row in enumerate(self.cache.rows)
-                if row.policy.attention_needs and row.policy.attention_needs.weights
+                i for i, policy in enumerate(self.policies) if policy.attention_needs and policy.attention_needs.weights
             ]
             self.attention.weight_rows = None if len(readers) == self.batch else torch.tensor(readers, dtype=torch.long)
         mask = {"full_attention": masks[FULL], "sliding_attention": masks[SLIDING]} if self.sliding else masks[FULL]
@@ -197,7 +203,12 @@ class BatchDecoder:
             policy.check_budget(length - pad, setting.budget if policy.evicts else None)
             policies.append(policy)
         queries = [p.attention_needs.queries if p.attention_needs else 0 for p in policies]
-        self.cache.finish_prefill(self._pads, settings, policies, queries)
+        rows = [
+            (setting.budget if policy.evicts else None, setting.positions == "compressed", policy.granular)
+            for setting, policy in zip(settings, policies)
+        ]
+        self.cache.finish_prefill(self._pads, rows, queries)
+        self.policies.extend(policies)
         if self.attention is not None:
             for ring in self.attention.record.queries.values():  # a short prompt's ring holds padding queries too
                 ring.valid = [min(v, length - pad) for v, pad in zip(ring.valid, self._pads)]
@@ -214,18 +225,14 @@ class BatchDecoder:
         half). ``offsets``: each row's padding at a batched prefill (its taps' slots start there)."""
         record = self.attention.record if self.attention is not None else None
         self._pending = []
-        for index, row in enumerate(self.cache.rows):
+        for index, (row, policy) in enumerate(zip(self.cache.rows, self.policies)):
             offset = offsets[index] if offsets else 0
             hidden = {layer: states[index : index + 1, offset:] for layer, states in self.taps.outputs.items()}
             attention = record.row(index, row.full.stored, offset) if record is not None else None
             if attention is not None and row.queries_needed:
                 attention.queries = RowQueries(record.queries, index, row.queries_needed)
             signals = Signals(appended[index], offsets is not None, hidden, attention, RowView(self.cache, index))
-            if row.policy.staged:
-                self._pending.append((signals, row.policy.stage(signals)))
-            else:
-                row.policy.observe(signals)
-                self._pending.append((signals, []))
+            self._pending.append(observe(policy, signals))
         self.taps.clear()
         if record is not None:
             record.clear_forward()
@@ -233,19 +240,16 @@ class BatchDecoder:
     @property
     def pending_reads(self) -> list[torch.Tensor]:
         """Every row's pending host reads (device tensors), in row order."""
-        return [tensor for _, tensors in self._pending for tensor in tensors]
+        return [tensor for observed in self._pending for tensor in observed.reads]
 
     def settle(self, values: list[torch.Tensor]) -> None:
         """Finish the latest forward: each row's policy gets its host values (``values``: CPU copies of
         :attr:`pending_reads`), then every row is brought back within its budget."""
-        plans: dict[str, list[tuple[int, list[int]]]] = {FULL: [], SLIDING: []}
+        plans: dict[str, list[tuple[int, Victims]]] = {FULL: [], SLIDING: []}
         values = iter(values)
-        for index, (row, (signals, reads)) in enumerate(zip(self.cache.rows, self._pending)):
-            if row.policy.staged:
-                row.policy.settle(signals, [next(values) for _ in reads])
+        for index, (row, policy, observed) in enumerate(zip(self.cache.rows, self.policies, self._pending)):
             row.peak_stored = max(row.peak_stored, row.full.stored)
-            over = max(0, row.full.stored - row.budget) if row.budget is not None else 0
-            slots = row.policy.select(signals.cache, over) if over else []
+            slots = choose(policy, observed, [next(values) for _ in observed.reads], observed.signals.cache)
             row.last_evicted = evicted_positions(row.full, slots)
             row.evicted_total += len(slots)
             if slots:
@@ -254,11 +258,13 @@ class BatchDecoder:
                 oldest = int(torch.argmin(row.tables[SLIDING].live_positions()))
                 plans[SLIDING].append((index, [oldest]))
         self._pending = []
-        self.cache.evict(plans)
+        for index, (holes, movers) in self.cache.evict(plans).items():
+            follow(self.policies[index], holes, movers)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), e.g. after sequences finished."""
         self.cache.keep_rows(rows)
+        self.policies = [self.policies[i] for i in rows]
         if self.attention is not None:
             self.attention.record.select_rows(torch.tensor(rows, dtype=torch.long))
 

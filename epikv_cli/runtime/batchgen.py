@@ -124,6 +124,7 @@ class BatchedGeneration:
             peak_memory_kind=kind,
             kv_cache_bytes=decoder.cache.kv_bytes(row),
             token_ids=token_ids,
+            policy_report=decoder.policies[row].report(),
         )
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:

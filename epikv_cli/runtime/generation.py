@@ -12,7 +12,7 @@ import secrets
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 from transformers import (
@@ -70,7 +70,13 @@ class StepEvent:
 
 @dataclass
 class GenerationResult:
-    """Summary of one generation; ``to_dict()`` is what ``--json`` prints."""
+    """Summary of one generation; ``to_dict()`` is what ``--json`` prints.
+
+    ``policy_report`` is what the policy says of its run (:meth:`~epikv_cli.policies.base.Policy.report`: EpiKV's
+    bands and where they came from, the tokens whose score signal was not finite). ``to_dict()`` also repeats its
+    ``bands``, ``bands_source`` and ``nonfinite_scores`` under the top-level keys of earlier releases, for scripts
+    that read them; those copies go in the next release.
+    """
 
     text: str
     prompt_tokens: int
@@ -88,14 +94,18 @@ class GenerationResult:
     kv_cache_bytes: int
     prefill_peak_memory_bytes: int = 0
     decode_peak_memory_bytes: int = 0
-    bands: list | None = None  # EpiKV's (layer, sign) pairs
-    bands_source: str | None = None  # "--bands", "calibrated (FILE)" or the default
-    nonfinite_scores: int = 0  # tokens whose score signal was NaN or infinite (scored 0 instead)
     token_ids: list[int] = field(repr=False, default_factory=list)
+    policy_report: dict = field(default_factory=dict)
+
+    #: Top-level keys of earlier releases that repeat ``policy_report`` entries, with their value when it has none.
+    LEGACY_KEYS: ClassVar[dict[str, object]] = {"bands": None, "bands_source": None, "nonfinite_scores": 0}
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data.pop("token_ids")
+        report = data.pop("policy_report")
+        data.update({key: report.get(key, default) for key, default in self.LEGACY_KEYS.items()})
+        data["policy_report"] = report
         return data
 
     @classmethod
@@ -246,11 +256,14 @@ class Generation:
         self.result: GenerationResult | None = None
         self.tail_text = ""  # text the detokenizer still held when generation ended
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        policy = make_policy(cache)  # its options may pick the variant (lagkv:chunks=positions scores, lagkv does not)
+        #: the policy of this generation (its options may pick the variant: lagkv:chunks=positions scores, lagkv
+        #: does not), set up and run by the session when iteration starts
+        self.policy = make_policy(cache)
+        self._policy_used = False
         #: whether the policy gives each token a frozen score (the panel's sparkline)
-        self.policy_has_scores = policy.has_scores
+        self.policy_has_scores = self.policy.has_scores
         #: whether each KV head keeps its own set (a position leaves the model only when every head dropped it)
-        self.policy_per_head = policy.granular
+        self.policy_per_head = self.policy.granular
         #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts
         self.bands_description: str | None = None
 
@@ -277,12 +290,15 @@ class Generation:
         prefill_memory = None
         reset_peak(device)
 
-        with EpiKVSession(model, self.cache_settings, max_tokens=total) as session:
+        fresh, self._policy_used = not self._policy_used, True  # a second iteration starts from a new policy
+        policy = self.policy if fresh else None
+        with EpiKVSession(model, self.cache_settings, max_tokens=total, policy=policy) as session:
             session.defer_reads = True  # the policy's host values come with the sampled token: one sync per step
             session.policy.check_budget(prompt_len, session.cache.budget)
-            if getattr(session.policy, "bands_source", None):
-                pairs = ", ".join(f"{band.layer}:{band.sign:+.0f}" for band in session.policy.bands)
-                self.bands_description = f"{pairs} ({session.policy.bands_source})"
+            report = session.policy.report()
+            if report.get("bands"):
+                pairs = ", ".join(f"{layer}:{sign:+.0f}" for layer, sign in report["bands"])
+                self.bands_description = f"{pairs} ({report['bands_source']})"
             try:
                 logits = self._forward(session, prompt)
                 prefill_memory = peak_memory(device)[0]
@@ -372,8 +388,6 @@ class Generation:
             kv_cache_bytes=session.cache.kv_bytes(),
             prefill_peak_memory_bytes=prefill_memory,
             decode_peak_memory_bytes=memory,
-            bands=[[band.layer, band.sign] for band in getattr(session.policy, "bands", [])] or None,
-            bands_source=getattr(session.policy, "bands_source", None),
-            nonfinite_scores=getattr(session.policy, "nonfinite", 0),
             token_ids=token_ids,
+            policy_report=session.policy.report(),
         )

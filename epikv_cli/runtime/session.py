@@ -7,14 +7,13 @@ the cache is brought back within the budget. The same hooks serve ``epikv genera
     with epikv_cli.attach(model, budget=4096) as cache:
         model.generate(**inputs, past_key_values=cache, max_new_tokens=2048)
 
-With ``batch_size=B`` a left-padded batch of B prompts runs through ``model.generate`` the same way,
-each row with its own keep-set, scores and positions (:class:`BatchSession`).
+The step itself (observe, choose, evict, follow) is :mod:`epikv_cli.runtime.step`, shared with batches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -28,9 +27,16 @@ from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.step import Observed, choose, follow, observe
 
-if TYPE_CHECKING:
-    pass
+#: The policy evicting from each attached cache (the cache itself holds none): see :func:`policy_of`.
+_POLICIES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def policy_of(cache) -> Policy:
+    """The policy that evicts from ``cache``, a cache made by :class:`EpiKVSession` (``epikv_cli.attach``), or, for a
+    batch, ``cache.row(b)``'s: e.g. ``policy_of(cache).score_of(position)``."""
+    return _POLICIES[cache]
 
 
 @dataclass
@@ -47,10 +53,12 @@ class EpiKVSession:
     Use it as a context manager; on exit every hook is removed and the model is as it was.
     """
 
-    def __init__(self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None, policy: Policy | None = None
+    ) -> None:
         self.model = model
         self.settings = settings
-        self.policy: Policy = self._new_policy()
+        self.policy: Policy = self._new_policy(policy)
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
             model.config,
@@ -60,31 +68,33 @@ class EpiKVSession:
             slack=self.policy.slack,
             granular=self.policy.granular,
         )
-        self.cache.policy = self.policy
-        self.cache.on_reset = self._reset
+        _POLICIES[self.cache] = self.policy
+        self._fresh = True  # the policy has seen no forward yet (a cache reset since then needs a new one)
         self.last = ForwardRecord()
         #: False (``model.generate``): each forward settles at once, reading its own host values. True
         #: (the engine): the forward leaves :attr:`pending_reads`, and the engine reads them together
         #: with the sampled token and calls :meth:`settle` before the next forward.
         self.defer_reads = False
-        self.pending: tuple[Signals, list[torch.Tensor]] | None = None
+        self.pending: Observed | None = None
         self.taps = HiddenStateTaps(model, self.policy.tap_layers())
         needs = self.policy.attention_needs
-        self.attention = AttentionTaps(model, self.cache.budget_layer_indices, needs) if needs else None
+        self.attention = AttentionTaps(model, self.cache.evicting_layers, needs) if needs else None
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
         self._scratch = ScratchHold()
 
-    def _new_policy(self) -> Policy:
-        policy = make_policy(self.settings)
+    def _new_policy(self, policy: Policy | None = None) -> Policy:
+        """``policy`` (made from these settings, not yet set up), or a new one, set up for this model."""
+        policy = policy or make_policy(self.settings)
         policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
         return policy
 
     def _reset(self) -> None:
         """The cache was reset for a new sequence: start the policy and the records afresh."""
-        self.policy = self.cache.policy = self._new_policy()
+        self.policy = _POLICIES[self.cache] = self._new_policy()
+        self._fresh = True
         self.last = ForwardRecord()
         self.pending = None
         self.taps.clear()
@@ -105,6 +115,8 @@ class EpiKVSession:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._uses_cache(kwargs):
             return None
+        if self.cache.seen == 0 and not self._fresh:  # the cache was reset (cache.reset()) for a new sequence
+            self._reset()
         self._set_taps(True)
         if not self.cache.compressed_positions:
             return None
@@ -130,24 +142,23 @@ class EpiKVSession:
                 "EpiKV needs the whole prompt in the first forward and one token per step after it; "
                 "drop prefill_chunk_size, and start a new cache for each conversation turn"
             )
+        self._fresh = False
+        for victims, last in self.cache.closed_vacancies:  # moves the forward made before writing
+            self.policy.follow_head_moves(victims, last)
+        self.cache.closed_vacancies.clear()
         record = self.attention.record if self.attention is not None else None
         row = record.row(0, self.cache.stored) if record is not None else None
-        signals = Signals(appended, prompt, dict(self.taps.outputs), row, self.cache)
-        if self.policy.staged:
-            self.pending = (signals, self.policy.stage(signals))
-        else:
-            self.policy.observe(signals)
-            self.pending = (signals, [])
+        self.pending = observe(self.policy, Signals(appended, prompt, dict(self.taps.outputs), row, self.cache))
         self.taps.clear()
         if record is not None:
             record.clear_forward()
         if not self.defer_reads:
-            self.settle(host_copies(self.pending[1]))
+            self.settle(host_copies(self.pending.reads))
 
     @property
     def pending_reads(self) -> list[torch.Tensor]:
         """What the latest forward's policy needs on the host (device tensors), before :meth:`settle`."""
-        return self.pending[1] if self.pending is not None else []
+        return self.pending.reads if self.pending is not None else []
 
     def settle(self, values: list[torch.Tensor]) -> None:
         """Finish the latest forward: the policy gets its host values, then the cache is brought back
@@ -155,14 +166,12 @@ class EpiKVSession:
         (host copies of :attr:`pending_reads`) together with the sampled token."""
         if self.pending is None:
             return
-        signals, _ = self.pending
-        self.pending = None
-        if self.policy.staged:
-            self.policy.settle(signals, values)
+        observed, self.pending = self.pending, None
         self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)  # the in-step peak: K + 1
-        over = self.cache.over_budget()
-        evicted = self.cache.evict(self.policy.select(self.cache, over)) if over else []
-        self.last = ForwardRecord(signals.appended, evicted)
+        victims = choose(self.policy, observed, values, self.cache)
+        evicted = self.cache.evict(victims)
+        follow(self.policy, evicted.holes, evicted.movers)
+        self.last = ForwardRecord(observed.signals.appended, evicted.positions)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
