@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from typer.testing import CliRunner
 
-from epikv_cli.cli import profile as profile_module
 from epikv_cli.cli.app import app
-from epikv_cli.cli.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
-from epikv_cli.cli.profile import PolicyRun, ProfileSettings, flatness
 from epikv_cli.config import ModelSettings
+from epikv_cli.experiments import profile as profile_module
+from epikv_cli.experiments.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
+from epikv_cli.experiments.profile import PolicyRun, ProfileSettings, flatness
 from epikv_cli.models.shapes import SHAPES, cut_layers, shape_config
 
 runner = CliRunner()

@@ -21,11 +21,11 @@ from epikv_cli import __version__
 from epikv_cli.cli.batch import BatchFiles, run_batch
 from epikv_cli.cli.calibrate import calibrate_command
 from epikv_cli.cli.evaluate import eval_command
-from epikv_cli.cli.fidelity import check_configs, fidelity_command
+from epikv_cli.cli.fidelity import fidelity_command
 from epikv_cli.cli.generate import report_nothing_generated, run_generate
 from epikv_cli.cli.helpscreen import render_help
 from epikv_cli.cli.maxcontext import max_context_command
-from epikv_cli.cli.profile import ProfileSettings, profile_command
+from epikv_cli.cli.profile import profile_command
 from epikv_cli.config import (
     ATTN_CHOICES,
     DEVICE_MAP_NAMES,
@@ -47,6 +47,8 @@ from epikv_cli.errors import (
     ModelLoadError,
     UsageError,
 )
+from epikv_cli.experiments.fidelity import check_configs
+from epikv_cli.experiments.profile import ProfileSettings
 from epikv_cli.models.shapes import SHAPES
 from epikv_cli.policies.registry import (
     POLICIES,
