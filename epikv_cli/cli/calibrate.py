@@ -10,6 +10,7 @@ from dataclasses import asdict
 from rich.console import Console
 
 from epikv_cli.cli.ui import calibration_table, status_line, wide_console
+from epikv_cli.errors import writing
 from epikv_cli.experiments.calibrate import calibrate_bands
 from epikv_cli.models.loading import load
 
@@ -24,19 +25,21 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
         measured = calibrate_bands(loaded, problems, new_tokens, lambda text: status.update(text))
     calibration, note = measured.calibration, measured.note
     if json_output:
-        print(
-            json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
-            flush=True,
-        )
-    else:
-        wide_console().print(
-            calibration_table(
-                measured.rho,
-                calibration.bands,
-                f"{calibration.model}: Spearman ρ of each layer's smoothed change with window importance "
-                f"({calibration.windows} windows)",
+        with writing("stdout"):
+            print(
+                json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
+                flush=True,
             )
-        )
+    else:
+        with writing("stdout"):
+            wide_console().print(
+                calibration_table(
+                    measured.rho,
+                    calibration.bands,
+                    f"{calibration.model}: Spearman ρ of each layer's smoothed change with window importance "
+                    f"({calibration.windows} windows)",
+                )
+            )
         if note:
             err.print(f"note: {note}")
         err.print(

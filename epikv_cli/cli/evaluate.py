@@ -13,7 +13,7 @@ from rich.console import Console
 from epikv_cli.cli.ui import eval_table, progress_bar, wide_console
 from epikv_cli.data.jsonl import JsonlWriter, read_results, sort_by_line
 from epikv_cli.data.problems import Problem
-from epikv_cli.errors import EXIT_INTERRUPTED, UsageError
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.experiments.evaluate import eval_records, load_eval_problems, remaining, summarise
 from epikv_cli.experiments.fidelity import Config
 from epikv_cli.models.loading import load
@@ -114,22 +114,24 @@ def eval_command(
     rows = summarise([r for r in records if "policy" in r], configs)
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
-        print(
-            json.dumps(
-                {
-                    "model": model_name,
-                    "dataset": dataset,
-                    "problems": len(problems),
-                    "max_new_tokens": max_new_tokens,
-                    "results": [r.to_dict() for r in rows],
-                }
-            ),
-            flush=True,
-        )
+        with writing("stdout"):
+            print(
+                json.dumps(
+                    {
+                        "model": model_name,
+                        "dataset": dataset,
+                        "problems": len(problems),
+                        "max_new_tokens": max_new_tokens,
+                        "results": [r.to_dict() for r in rows],
+                    }
+                ),
+                flush=True,
+            )
     else:
         title = (
             f"{model_name} on {dataset}: {len(problems)} problems, greedy, {max_new_tokens} new tokens at most; "
             "accuracy with its 95% Wilson interval"
         )
-        wide_console().print(eval_table(rows, title))
+        with writing("stdout"):
+            wide_console().print(eval_table(rows, title))
     return code

@@ -12,7 +12,7 @@ from rich.console import Console
 from epikv_cli.cli.ui import fidelity_table, progress_bar, wide_console
 from epikv_cli.data.jsonl import JsonlWriter, read_results
 from epikv_cli.data.problems import Problem
-from epikv_cli.errors import EXIT_INTERRUPTED, UsageError
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.experiments.fidelity import Config, SummaryRow, fidelity_records, summarise, unfinished
 from epikv_cli.models.loading import load
 
@@ -94,7 +94,8 @@ def fidelity_command(
     )
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
-        print(summary_json(model_name, new_tokens, len(problems), rows), flush=True)
+        with writing("stdout"):
+            print(summary_json(model_name, new_tokens, len(problems), rows), flush=True)
     else:
         title = (
             f"{model_name}: {len(problems)} prompts, {new_tokens} reference tokens; means over prompts of "
@@ -102,5 +103,6 @@ def fidelity_command(
             "ppl of the reference; age of the kept generated tokens; n prompts that fit the budget"
         )
         out = wide_console()
-        out.print(fidelity_table(rows, title, compact=out.width < 100))
+        with writing("stdout"):
+            out.print(fidelity_table(rows, title, compact=out.width < 100))
     return code

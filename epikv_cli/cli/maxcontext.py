@@ -9,7 +9,7 @@ from dataclasses import asdict
 from rich.console import Console
 
 from epikv_cli.cli.ui import max_context_table, status_line
-from epikv_cli.errors import UsageError
+from epikv_cli.errors import UsageError, writing
 from epikv_cli.experiments.maxcontext import parse_memory, run_max_context
 
 
@@ -27,15 +27,16 @@ def max_context_command(
     first = results[0].max_prompt_tokens
     rows = [{**asdict(r), "ratio": round(r.max_prompt_tokens / first, 3) if first else None} for r in results]
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
-    if json_output:
-        print(
-            json.dumps(
-                {"model": model_name, "layers": model_settings.layers, "memory_limit_bytes": limit, "results": rows}
-            ),
-            flush=True,
-        )
-    else:
-        Console(highlight=False).print(
-            max_context_table(rows, f"{model_name}: longest prefill within {limit / 2**30:.2f} GiB")
-        )
+    with writing("stdout"):
+        if json_output:
+            print(
+                json.dumps(
+                    {"model": model_name, "layers": model_settings.layers, "memory_limit_bytes": limit, "results": rows}
+                ),
+                flush=True,
+            )
+        else:
+            Console(highlight=False).print(
+                max_context_table(rows, f"{model_name}: longest prefill within {limit / 2**30:.2f} GiB")
+            )
     return 0

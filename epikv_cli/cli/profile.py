@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from epikv_cli.cli.ui import profile_table, progress_bar, wide_console
+from epikv_cli.errors import writing
 from epikv_cli.experiments.profile import ProfileSettings, prompt_ids, run_profile
 from epikv_cli.models.loading import load
 
@@ -47,7 +48,8 @@ def profile_command(
             "device": str(next(loaded.model.parameters()).device),
             "results": [r.to_dict() for r in reports],
         }
-        print(json.dumps(report), flush=True)
+        with writing("stdout"):
+            print(json.dumps(report), flush=True)
     else:
         title = (
             f"{model_name}: budget {settings.budget}, prompt {settings.prompt_tokens} tokens, {settings.new_tokens} new"
@@ -57,5 +59,6 @@ def profile_command(
             f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
         )
         out = wide_console()
-        out.print(profile_table(reports, title, compact=out.width < 110))
+        with writing("stdout"):
+            out.print(profile_table(reports, title, compact=out.width < 110))
     return 0
