@@ -1,5 +1,5 @@
 """Whatever a user types: exit status 0, 1 or 2, never a traceback; a batch accounts for every line once; into a
-full stdout, one line and status 74."""
+full stdout, one line and status 74; an empty list is refused."""
 
 from __future__ import annotations
 
@@ -208,3 +208,37 @@ def test_generate_into_a_full_stdout(tiny_model_dir, command):
         assert last == "epikv: error: cannot write stdout: no space left on the device"
     else:
         assert last.startswith("epikv: error: ") and last != "epikv: error: "
+
+
+EMPTY_LIST = st.lists(st.sampled_from(["", " ", "\t"]), min_size=1, max_size=3).map(",".join)
+
+
+@FUZZ
+@given(
+    where=st.sampled_from(
+        [
+            ("profile", "--policies"),
+            ("profile --max-context --memory-limit 1GiB", "--policies"),
+            ("fidelity", "--policies"),
+            ("fidelity", "--budgets"),
+            ("eval", "--policies"),
+            ("eval", "--budgets"),
+        ]
+    ),
+    empty=EMPTY_LIST,
+)
+def test_an_empty_list_is_refused(tiny_model_dir, tmp_path_factory, where, empty):
+    """``--policies ''`` (or only blanks and commas) is refused with one line, never read as the default set."""
+    command, option = where
+    data = tmp_path_factory.mktemp("empty") / "set.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    source = {
+        "profile": ["--new-tokens", "8", "--repeats", "1", "--prompt-tokens", "16"],
+        "fidelity": ["--prompts", str(data), "-n", "2"],
+        "eval": ["--dataset", str(data), "-n", "2"],
+    }[command.split()[0]]
+    result = runner.invoke(app, [*command.split(), "--model", str(tiny_model_dir), *source, option, empty])
+    assert_no_traceback(result)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
+    assert lines[0].startswith(f"epikv: error: {option} ") and "empty" in lines[0]

@@ -251,6 +251,8 @@ def test_table_output(tiny_model_dir):
         (["--policies", "full,h3o"], ["unknown policy 'h3o'"]),
         (["--policies", "epikv,epikv"], ["lists a policy twice"]),
         (["--policies", "full,,epikv"], ["--policies 'full,,epikv' has an empty item"]),
+        (["--policies", ""], ["--policies is empty"]),  # not the default set
+        (["--max-context", "--memory-limit", "1GiB", "--policies", ""], ["--policies is empty"]),
         (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
         (["--repeats", "0"], ["--repeats must be at least 1"]),
         (["--batch-size", "0"], ["--batch-size must be at least 1"]),

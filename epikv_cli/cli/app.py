@@ -673,7 +673,9 @@ def profile(
     ] = False,
 ) -> int:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
-    runs = ProfileSettings.parse_policies(policies or ("h2o,epikv" if max_context else "full,streaming,epikv2"))
+    if policies is None:
+        policies = "h2o,epikv" if max_context else "full,streaming,epikv2"
+    runs = ProfileSettings.parse_policies(policies)
     model_settings = ModelSettings(
         model=model,
         device_map=device_map,

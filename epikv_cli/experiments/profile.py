@@ -36,6 +36,7 @@ MIN_NEW_TOKENS = 8
 WARMUP_TOKENS = 8
 #: Kernels a policy may name after ``@``.
 KERNELS = tuple(kernel for kernel in ATTN_CHOICES if kernel != "auto")
+EMPTY_POLICIES = "--policies is empty; give names such as full,streaming,epikv"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class ProfileSettings:
 
     def __post_init__(self) -> None:
         if not self.runs:
-            raise UsageError("--policies is empty; give names such as full,streaming,epikv")
+            raise UsageError(EMPTY_POLICIES)
         labels = [run.label for run in self.runs]
         if len(set(labels)) != len(labels):
             raise UsageError(f"--policies lists a policy twice: {','.join(labels)}")
@@ -98,7 +99,11 @@ class ProfileSettings:
 
     @classmethod
     def parse_policies(cls, text: str) -> tuple[PolicyRun, ...]:
-        return tuple(PolicyRun.parse(part) for part in list_items(text, "--policies"))
+        """The runs of ``--policies``; an empty list is refused (an empty ``--policies ''`` is not the default)."""
+        runs = tuple(PolicyRun.parse(part) for part in list_items(text, "--policies"))
+        if not runs:
+            raise UsageError(EMPTY_POLICIES)
+        return runs
 
     def cache_for(self, run: PolicyRun) -> CacheSettings:
         return check_settings(
