@@ -10,8 +10,8 @@ from test_exactness import masked_reference
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
-from epikv_cli.cli.calibrate import STRIDE, WINDOW, choose_bands, rolling_mean, spearman, window_labels
 from epikv_cli.errors import UsageError
+from epikv_cli.experiments.calibrate import STRIDE, WINDOW, choose_bands, rolling_mean, spearman, window_labels
 
 from conftest import tiny_model
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from epikv_cli.cli import evaluate
 from epikv_cli.cli.app import app
-from epikv_cli.cli.evaluate import is_correct, last_boxed, model_answer, reference_answer, wilson
+from epikv_cli.experiments import evaluate
+from epikv_cli.experiments.evaluate import is_correct, last_boxed, model_answer, reference_answer, wilson
 
 runner = CliRunner()
 

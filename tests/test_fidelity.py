@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
-from epikv_cli.cli.fidelity import BudgetSpec, Config, repeated_ngram_share, replay
 from epikv_cli.config import CacheSettings
 from epikv_cli.data.problems import load_problems, protocol_ids
 from epikv_cli.errors import UsageError
+from epikv_cli.experiments.fidelity import BudgetSpec, Config, repeated_ngram_share, replay
 from epikv_cli.runtime.stream import CacheStream
 
 from conftest import tiny_model
@@ -219,7 +219,7 @@ def test_cache_settings_for_relative_budgets():
 
 
 def test_the_full_cache_runs_once_whatever_the_budgets():
-    from epikv_cli.cli.fidelity import check_configs
+    from epikv_cli.experiments.fidelity import check_configs
 
     configs = check_configs("full,epikv", "+64,128")
     assert [(c.policy, c.budget.text) for c in configs] == [("full", "none"), ("epikv", "+64"), ("epikv", "128")]

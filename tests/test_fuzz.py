@@ -1,9 +1,12 @@
-"""Whatever a user types: exit status 0, 1 or 2, never a traceback; a batch accounts for every line once."""
+"""Whatever a user types: exit status 0, 1 or 2, never a traceback; a batch accounts for every line once; into a
+full stdout, one line and status 74; an empty list is refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from contextlib import contextmanager
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -171,3 +174,71 @@ def test_batch_lines(tiny_model_dir, tmp_path_factory, lines, suffix):
     assert [row["line"] for row in rows] == expected  # every input line exactly once, in order
     failed = [row["line"] for row in rows if row["error"] is not None]
     assert result.exit_code == (1 if failed else 0)
+
+
+class FullStdoutRunner(CliRunner):
+    """Typer's test runner, with stdout on a full device: /dev/full itself, as ``> /dev/full`` gives it."""
+
+    @contextmanager
+    def isolation(self, *args, **kwargs):
+        with super().isolation(*args, **kwargs) as streams, open("/dev/full", "w") as full:
+            own = sys.stdout  # kept, or the runner's stream is closed as it is dropped
+            sys.stdout = full
+            try:
+                yield streams
+            finally:
+                sys.stdout = own
+
+
+@settings(FUZZ, max_examples=max(1, FUZZ.max_examples // 3))
+@given(command=generate_command())
+def test_generate_into_a_full_stdout(tiny_model_dir, command):
+    """Whatever the options: refused (2), or one line saying stdout's device is full (74); never a traceback."""
+    args, piped, prompt = command
+    base = ["generate", "--model", str(tiny_model_dir), "-n", "3", "--budget", "4096"]
+    full = FullStdoutRunner()
+    if piped:
+        result = full.invoke(app, [*base, *args, "-"], input=prompt)
+    else:
+        result = full.invoke(app, [*base, *args, "--", prompt])
+    assert result.exit_code in (2, 74), (result.exit_code, repr(result.exception), result.stderr[-2000:])
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    if result.exit_code == 74:
+        assert last == "epikv: error: cannot write stdout: no space left on the device"
+    else:
+        assert last.startswith("epikv: error: ") and last != "epikv: error: "
+
+
+EMPTY_LIST = st.lists(st.sampled_from(["", " ", "\t"]), min_size=1, max_size=3).map(",".join)
+
+
+@FUZZ
+@given(
+    where=st.sampled_from(
+        [
+            ("profile", "--policies"),
+            ("profile --max-context --memory-limit 1GiB", "--policies"),
+            ("fidelity", "--policies"),
+            ("fidelity", "--budgets"),
+            ("eval", "--policies"),
+            ("eval", "--budgets"),
+        ]
+    ),
+    empty=EMPTY_LIST,
+)
+def test_an_empty_list_is_refused(tiny_model_dir, tmp_path_factory, where, empty):
+    """``--policies ''`` (or only blanks and commas) is refused with one line, never read as the default set."""
+    command, option = where
+    data = tmp_path_factory.mktemp("empty") / "set.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    source = {
+        "profile": ["--new-tokens", "8", "--repeats", "1", "--prompt-tokens", "16"],
+        "fidelity": ["--prompts", str(data), "-n", "2"],
+        "eval": ["--dataset", str(data), "-n", "2"],
+    }[command.split()[0]]
+    result = runner.invoke(app, [*command.split(), "--model", str(tiny_model_dir), *source, option, empty])
+    assert_no_traceback(result)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
+    assert lines[0].startswith(f"epikv: error: {option} ") and "empty" in lines[0]

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import grimp
 from policy_removal import POLICY, copy_without_policy, run
+
+import epikv_cli
 
 
 def test_no_module_imports_itself_through_others():
@@ -48,3 +52,57 @@ def test_a_policy_is_removed_by_removing_its_file_its_registry_line_and_its_test
         [sys.executable, "-m", "ruff", "check", "epikv_cli", "tests"], cwd=target, capture_output=True
     )
     assert ruff.returncode == 0, ruff.stdout.decode()[-2000:]
+
+
+#: What an experiment may not touch: it returns records, and the CLI decides what reaches the terminal.
+PRINTING_NAMES = {"print"}
+PRINTING_STREAMS = {"stdout", "stderr", "__stdout__", "__stderr__"}
+
+
+def printing(source: str) -> list[str]:
+    """Each place in ``source`` that prints: a use of ``print``, or ``sys.stdout`` / ``sys.stderr`` (attribute or
+    ``from sys import``), as ``line: what``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in PRINTING_NAMES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in PRINTING_STREAMS
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
+            found.append(f"{node.lineno}: sys.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "sys":
+            found += [f"{node.lineno}: from sys import {a.name}" for a in node.names if a.name in PRINTING_STREAMS]
+    return sorted(found, key=lambda place: int(place.split(":")[0]))
+
+
+def test_experiments_never_print():
+    """Experiments return records and take progress callbacks; only the CLI writes to stdout or stderr."""
+    experiments = Path(epikv_cli.__file__).parent / "experiments"
+    modules = sorted(experiments.rglob("*.py"))
+    assert {path.stem for path in modules} >= {"profile", "maxcontext", "fidelity", "evaluate", "calibrate"}
+    offences = {str(path.relative_to(experiments)): found for path in modules if (found := printing(path.read_text()))}
+    assert offences == {}
+
+
+def test_the_print_check_sees_printing():
+    """The check above can fail: each way of printing is found, and a stream named otherwise is not."""
+    source = (
+        "import sys\n"
+        "from sys import stderr\n"
+        "print('x')\n"
+        "log = print\n"
+        "sys.stdout.write('x')\n"
+        "sys.stderr.flush()\n"
+        "subprocess.Popen([], stdout=subprocess.DEVNULL)\n"
+        "sys.stdin.readline()\n"
+    )
+    assert printing(source) == [
+        "2: from sys import stderr",
+        "3: print",
+        "4: print",
+        "5: sys.stdout",
+        "6: sys.stderr",
+    ]

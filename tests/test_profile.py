@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from typer.testing import CliRunner
 
-from epikv_cli.cli import profile as profile_module
 from epikv_cli.cli.app import app
-from epikv_cli.cli.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
-from epikv_cli.cli.profile import PolicyRun, ProfileSettings, flatness
 from epikv_cli.config import ModelSettings
+from epikv_cli.experiments import profile as profile_module
+from epikv_cli.experiments.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
+from epikv_cli.experiments.profile import PolicyRun, ProfileSettings, flatness
 from epikv_cli.models.shapes import SHAPES, cut_layers, shape_config
 from epikv_cli.policies.registry import POLICIES
 
@@ -242,6 +242,8 @@ def test_table_output(tiny_model_dir):
         (["--policies", "full,h3o"], ["unknown policy 'h3o'"]),
         (["--policies", "epikv,epikv"], ["lists a policy twice"]),
         (["--policies", "full,,epikv"], ["--policies 'full,,epikv' has an empty item"]),
+        (["--policies", ""], ["--policies is empty"]),  # not the default set
+        (["--max-context", "--memory-limit", "1GiB", "--policies", ""], ["--policies is empty"]),
         (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
         (["--repeats", "0"], ["--repeats must be at least 1"]),
         (["--batch-size", "0"], ["--batch-size must be at least 1"]),

@@ -112,7 +112,7 @@ def launch_with(tmp_path, tiny_model_dir, injection: str, prompts: list[str], ti
 
 def test_out_of_memory_on_one_rank_is_that_prompts_error(tiny_model_dir, tmp_path):
     injection = (
-        "import torch, epikv_cli.batch as batch\n"
+        "import torch, epikv_cli.cli.batch as batch\n"
         "real = batch._generate\n"
         "def flaky(loaded, item, settings):\n"
         "    if item.prompt == 'question 3':\n"
@@ -133,7 +133,7 @@ def test_a_rank_that_dies_never_leaves_the_other_waiting(tiny_model_dir, tmp_pat
     """Rank 1 fails outside any prompt (here: its model load); the launch ends, it does not hang."""
     injection = (
         "if os.environ['RANK'] == '1':\n"
-        "    import epikv_cli.batch as batch\n"
+        "    import epikv_cli.cli.batch as batch\n"
         "    def broken(*args, **kwargs):\n"
         "        raise SystemExit(3)\n"
         "    batch.load = broken\n"
@@ -150,7 +150,7 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
     (inject / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') is not None:\n"
-        "    import types, epikv_cli.evaluate as evaluate\n"
+        "    import types, epikv_cli.experiments.evaluate as evaluate\n"
         "    class Scripted:\n"
         "        def __init__(self, model, tokenizer, ids, cache, sampling):\n"
         "            number = tokenizer.decode(ids[0]).split('problem ')[1][0]\n"

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from epikv_cli.cli.profile import prompt_ids
 from epikv_cli.config import CacheSettings, ModelSettings
 from epikv_cli.core import attention, keepsets, rows
+from epikv_cli.experiments.profile import prompt_ids
 from epikv_cli.models.loading import load
 from epikv_cli.policies import epikv2
 from epikv_cli.policies.registry import parse_policy_spec

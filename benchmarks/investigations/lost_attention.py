@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.cli.fidelity import BudgetSpec, Config
 from epikv_cli.config import ModelSettings
 from epikv_cli.data.problems import load_problems, protocol_ids
+from epikv_cli.experiments.fidelity import BudgetSpec, Config
 from epikv_cli.models.loading import load
 from epikv_cli.runtime.stream import CacheStream
 

@@ -16,9 +16,9 @@ import argparse
 import statistics
 import time
 
-from epikv_cli.cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.config import ModelSettings, SamplingSettings
 from epikv_cli.errors import UsageError
+from epikv_cli.experiments.profile import ProfileSettings, prompt_ids
 from epikv_cli.models.loading import load
 from epikv_cli.runtime.generation import Generation
 

@@ -17,9 +17,9 @@ import time
 
 from batch_step_split import timed  # run as a script: benchmarks/ is on the path
 
-from epikv_cli.cli.profile import ProfileSettings, prompt_ids
 from epikv_cli.config import ModelSettings, SamplingSettings
 from epikv_cli.core import keepsets
+from epikv_cli.experiments.profile import ProfileSettings, prompt_ids
 from epikv_cli.models.loading import load
 from epikv_cli.policies import epikv2
 from epikv_cli.runtime.generation import Generation

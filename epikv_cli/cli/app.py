@@ -21,11 +21,11 @@ from epikv_cli import __version__
 from epikv_cli.cli.batch import BatchFiles, run_batch
 from epikv_cli.cli.calibrate import calibrate_command
 from epikv_cli.cli.evaluate import eval_command
-from epikv_cli.cli.fidelity import check_configs, fidelity_command
+from epikv_cli.cli.fidelity import fidelity_command
 from epikv_cli.cli.generate import report_nothing_generated, run_generate
 from epikv_cli.cli.helpscreen import render_help
 from epikv_cli.cli.maxcontext import max_context_command
-from epikv_cli.cli.profile import ProfileSettings, profile_command
+from epikv_cli.cli.profile import profile_command
 from epikv_cli.config import (
     ATTN_CHOICES,
     DEFAULT_POLICY,
@@ -43,15 +43,23 @@ from epikv_cli.data.problems import HUB_DATASETS, load_problems
 from epikv_cli.data.prompts import decode_text
 from epikv_cli.errors import (
     EXIT_BROKEN_PIPE,
+    EXIT_CANNOT_WRITE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    NO_SPACE,
     ModelLoadError,
     UsageError,
+    WriteError,
+    no_space_reason,
+    writing,
 )
+from epikv_cli.experiments.fidelity import check_configs
+from epikv_cli.experiments.profile import ProfileSettings
 from epikv_cli.models.shapes import SHAPES
 from epikv_cli.policies.registry import (
     POLICIES,
     check_settings,
+    evicts,
     parse_policy_spec,
     recent_window_policies,
 )
@@ -136,6 +144,11 @@ EXIT_STATUSES = (
     (0, "success"),
     (1, "a batch finished but some prompts failed (each has an error line in the output)"),
     (2, "bad input: one line on stderr says what is wrong and what to do"),
+    (
+        EXIT_CANNOT_WRITE,
+        "an output could not be written (no space left on the device): one line names the file or stdout; "
+        "finished JSONL lines are kept whole, and --resume continues from them",
+    ),
     (130, "interrupted (Ctrl-C); text already printed and finished JSONL lines are kept"),
     (141, "the reader of stdout closed the pipe early (e.g. | head); nothing more is printed"),
 )
@@ -212,9 +225,42 @@ CompileOption = Annotated[
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr, then exit."""
-    sys.stdout.flush()
+    _flush_stdout()
     print(f"epikv: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def _flush_stdout() -> bool:
+    """Send what is still buffered for stdout; False where stdout cannot take it (the reader is gone, the device
+    is full), and then stdout points at /dev/null, so that the interpreter's own flush at exit cannot fail again."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _stdout_to_devnull()
+        return False
+    return True
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        fileno = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test runner's buffer): nothing is left to fail at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
+
+
+def _reader_gone() -> None:
+    """stdout's reader closed the pipe: point stdout at /dev/null (so the exit's own flush cannot fail again)
+    and exit quietly with 141, the status a shell gives a tool that SIGPIPE ended."""
+    _stdout_to_devnull()
+    sys.exit(EXIT_BROKEN_PIPE)
+
+
+class _ReaderGone(Exception):
+    """stdout's reader closed the pipe while parsing or running: carried past click, which would exit 1 on a
+    ``BrokenPipeError``, to :meth:`EpikvGroup.main`."""
 
 
 class EpikvCommand(TyperCommand):
@@ -223,13 +269,23 @@ class EpikvCommand(TyperCommand):
     def format_help(self, ctx, formatter) -> None:
         formatter.write(render_help(ctx, self))
 
+    def make_context(self, *args, **kwargs):  # parsing runs --help
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            raise
+        except OSError as error:  # the help, printed on stdout, could not be written
+            raise WriteError("stdout", error) from error
+
 
 class EpikvGroup(TyperGroup):
-    """Typer's group, with every usage error reduced to one line on stderr and exit status 2.
+    """Typer's group, whose :meth:`main` is the one place where an error becomes an exit status (see
+    ``EXIT_STATUSES``) and one line on stderr, never a traceback.
 
-    ``epikv`` alone prints the help and exits 0; Ctrl-C outside a generation exits 130 with one line;
-    a reader that closes the pipe early (``| head``) ends the run quietly with 141, as SIGPIPE ends
-    other command-line tools.
+    ``epikv`` alone prints the help and exits 0; bad input exits 2; Ctrl-C outside a generation exits 130 with
+    one line; an output that cannot be written (no space left on its device) exits 74, naming the file or
+    stdout; a reader that closes the pipe early (``| head``) ends the run quietly with 141, as SIGPIPE ends
+    other command-line tools. A command returns its own exit status (0, 1 or 130).
     """
 
     def format_help(self, ctx, formatter) -> None:
@@ -238,51 +294,56 @@ class EpikvGroup(TyperGroup):
     def make_context(self, *args, **kwargs):  # parsing runs the eager options: --help, --version
         try:
             return super().make_context(*args, **kwargs)
-        except BrokenPipeError:
-            _reader_gone()
+        except BrokenPipeError as error:
+            raise _ReaderGone from error
+        except OSError as error:  # the help or the version, printed on stdout, could not be written
+            raise WriteError("stdout", error) from error
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except BrokenPipeError:
-            _reader_gone()
+        except BrokenPipeError as error:
+            raise _ReaderGone from error
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
-            code = super().main(
-                args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
-            )
-        except NoArgsIsHelpError as shown:
-            print(shown.format_message())
-            code = 0
+            try:
+                code = super().main(
+                    args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
+                )
+            except NoArgsIsHelpError as shown:
+                with writing("stdout"):
+                    print(shown.format_message())
+                code = 0
+            code = code if isinstance(code, int) else 0
+            with writing("stdout"):  # what is still buffered (a --json object, the help) reaches the reader now
+                sys.stdout.flush()
         except ClickException as error:
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
             # Typer validates through pydantic, whose messages carry a "Value error, " prefix: not for users
             message = error.format_message().replace("\n", " ").replace("Value error, ", "")
             _fail(message + hint, error.exit_code)
         except typer.Abort:
-            sys.stdout.flush()
+            _flush_stdout()
             print("epikv: interrupted; nothing was generated", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
         except (UsageError, ModelLoadError) as error:
             _fail(str(error))
-        code = code if isinstance(code, int) else 0
-        try:  # what is still buffered (a --json object, the help) reaches the reader now, or the reader is gone
-            sys.stdout.flush()
-        except BrokenPipeError:
+        except WriteError as error:
+            _fail(str(error), EXIT_CANNOT_WRITE)
+        except (_ReaderGone, BrokenPipeError):
             _reader_gone()
+        except OSError as error:  # a full device under a write that did not say what it wrote
+            if error.errno not in NO_SPACE:
+                raise
+            where = error.filename or ("stdout" if not _flush_stdout() else None)
+            _fail(
+                f"cannot write {where}: {no_space_reason(error)}" if where else no_space_reason(error),
+                EXIT_CANNOT_WRITE,
+            )
         if standalone_mode:
             sys.exit(code)
         return code
-
-
-def _reader_gone() -> None:
-    """stdout's reader closed the pipe: point stdout at /dev/null (so the exit's own flush cannot fail again)
-    and exit quietly with 141, the status a shell gives a tool that SIGPIPE ended."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    sys.exit(EXIT_BROKEN_PIPE)
 
 
 app = typer.Typer(
@@ -330,8 +391,7 @@ def _interruptible(command):
             return command(**params)
         except KeyboardInterrupt:
             policy, budget = params["policy"].value, params["budget"]
-            code = report_nothing_generated(params["json_output"], policy, None if policy == "full" else budget)
-            raise typer.Exit(code) from None
+            return report_nothing_generated(params["json_output"], policy, budget if evicts(policy) else None)
 
     return wrapper
 
@@ -483,7 +543,7 @@ def generate(
     batch_size: Annotated[
         int, typer.Option("--batch-size", rich_help_panel=BATCH, help="Prompts decoded together (continuous batching).")
     ] = 1,
-) -> None:
+) -> int:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
     policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
     require_finite("--spike-threshold", spike_threshold)
@@ -493,7 +553,7 @@ def generate(
         )
     cache = check_settings(
         CacheSettings(
-            budget=None if policy == "full" else budget,
+            budget=budget if evicts(policy) else None,
             policy=policy,
             recent=recent,
             bands=parse_bands(bands) if bands is not None else None,
@@ -538,8 +598,7 @@ def generate(
             panel=panel,
             spike_threshold=spike_threshold,
         )
-    if code:
-        raise typer.Exit(code)
+    return code
 
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))
@@ -614,11 +673,11 @@ def profile(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
     ] = False,
-) -> None:
+) -> int:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
-    runs = ProfileSettings.parse_policies(
-        policies or ("h2o,epikv" if max_context else f"full,streaming,{DEFAULT_POLICY}")
-    )
+    if policies is None:
+        policies = "h2o,epikv" if max_context else f"full,streaming,{DEFAULT_POLICY}"
+    runs = ProfileSettings.parse_policies(policies)
     model_settings = ModelSettings(
         model=model,
         device_map=device_map,
@@ -631,10 +690,7 @@ def profile(
     if max_context and batch_size != 1:
         raise UsageError("--batch-size goes without --max-context (the search prefills one prompt at a time)")
     if max_context:
-        code = max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
-        if code:
-            raise typer.Exit(code)
-        return
+        return max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
     if memory_limit is not None:
         raise UsageError("--memory-limit goes with --max-context")
     settings = ProfileSettings(
@@ -648,8 +704,7 @@ def profile(
     if prompt_file is not None and not prompt_file.is_file():
         raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
     code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)
-    if code:
-        raise typer.Exit(code)
+    return code
 
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in FIDELITY_EXAMPLES))
@@ -720,7 +775,7 @@ def fidelity(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
     ] = False,
-) -> None:
+) -> int:
     """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
@@ -739,8 +794,7 @@ def fidelity(
         quiet=quiet,
         trace=trace,
     )
-    if code:
-        raise typer.Exit(code)
+    return code
 
 
 @app.command(
@@ -817,7 +871,7 @@ def eval_(
             help="Answers decoded together (continuous batching; same greedy results).",
         ),
     ] = 1,
-) -> None:
+) -> int:
     """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
@@ -842,8 +896,7 @@ def eval_(
         quiet=quiet,
         batch_size=batch_size,
     )
-    if code:
-        raise typer.Exit(code)
+    return code
 
 
 @app.command(
@@ -881,13 +934,12 @@ def calibrate(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
     ] = False,
-) -> None:
+) -> int:
     """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands."""
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)
     problems = load_problems(prompts, field=field, limit=limit, offset=offset)
     code = calibrate_command(model_settings, problems, new_tokens, json_output=json_output, quiet=quiet)
-    if code:
-        raise typer.Exit(code)
+    return code
 
 
 def main() -> None:

@@ -1,160 +1,18 @@
-"""``epikv calibrate``: choose EpiKV's band layers for a model, by measuring instead of assuming.
-
-On greedy full-cache reference traces, every 32-token window (stride 16) of the generated tokens is
-labelled by how much hiding it from every later query raises the KL divergence of the tokens that
-follow (one masked full-sequence forward per window). Each layer's token-to-token hidden-state change
-d(t), smoothed by a causal rolling mean over 64 tokens and averaged over the window, is then
-rank-correlated (Spearman) with those labels. The most positive layer becomes the +1 band, the most
-negative the -1 band. The result is saved per model and picked up by ``generate``, ``eval``,
-``fidelity`` and ``profile``; ``--bands`` still overrides it.
-"""
+"""``epikv calibrate``: load, measure and save the bands (:mod:`epikv_cli.experiments.calibrate`), print the
+per-layer table or one JSON object."""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict
 
-import torch
 from rich.console import Console
 
 from epikv_cli.cli.ui import calibration_table, status_line, wide_console
-from epikv_cli.config import CacheSettings
-from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
-from epikv_cli.data.problems import protocol_ids
-from epikv_cli.errors import UsageError
-from epikv_cli.models.calibration import Calibration, model_key, save_calibration
+from epikv_cli.errors import writing
+from epikv_cli.experiments.calibrate import calibrate_bands
 from epikv_cli.models.loading import load
-from epikv_cli.runtime.stream import CacheStream
-
-WINDOW = 32
-STRIDE = 16
-ROLLING = 64
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (ties share their average rank)."""
-
-    def ranks(values: list[float]) -> torch.Tensor:
-        v = torch.tensor(values, dtype=torch.float64)
-        order = torch.argsort(v)
-        r = torch.empty_like(v)
-        r[order] = torch.arange(len(values), dtype=torch.float64)
-        _, inverse, counts = torch.unique(v, return_inverse=True, return_counts=True)
-        sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, r)
-        return (sums / counts)[inverse]
-
-    rx, ry = ranks(x), ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denominator = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
-    return float((rx * ry).sum()) / denominator if denominator else 0.0
-
-
-def rolling_mean(values: torch.Tensor, width: int = ROLLING) -> torch.Tensor:
-    """Causal rolling mean over the last ``width`` values (fewer at the start). ``values``: ``[..., T]``."""
-    cumulative = torch.cumsum(torch.nn.functional.pad(values, (1, 0)), dim=-1)
-    t = torch.arange(1, values.shape[-1] + 1)
-    start = (t - width).clamp(min=0)
-    return (cumulative[..., t] - cumulative[..., start]) / (t - start)
-
-
-def trace(model, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy full-cache reference tokens and ``[layers, new_tokens]`` hidden-state changes d(t) of every layer."""
-
-    layers = len(decoder_blocks(model))
-    taps = HiddenStateTaps(model, list(range(layers)))
-    changes = torch.zeros(layers, new_tokens)
-    tokens: list[int] = []
-    try:
-        with CacheStream(
-            model, CacheSettings(budget=None, policy="full"), max_tokens=ids.shape[1] + new_tokens
-        ) as stream:
-            logits = stream.feed(ids)
-            previous = [taps.outputs[layer][0, -1].float() for layer in range(layers)]
-            taps.clear()
-            for step in range(new_tokens):
-                token = int(logits.argmax())
-                tokens.append(token)
-                logits = stream.feed(torch.tensor([[token]]))
-                for layer in range(layers):
-                    state = taps.outputs[layer][0, -1].float()
-                    changes[layer, step] = (state - previous[layer]).norm().cpu()
-                    previous[layer] = state
-                taps.clear()
-    finally:
-        taps.remove()
-    return tokens, changes
-
-
-def window_labels(model, sequence: list[int], prompt_len: int, new_tokens: int) -> list[tuple[int, float]]:
-    """``(start, label)`` per window of the generated tokens: the mean KL(full || window hidden) over the
-    tokens after the window, from one masked full-sequence forward per window."""
-    ids = torch.tensor([sequence])
-    total = len(sequence)
-    with torch.inference_mode():
-        reference = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), dim=-1)
-        labels = []
-        causal = torch.tril(torch.ones(total, total, dtype=torch.bool))
-        for start in range(0, new_tokens - WINDOW - 1, STRIDE):
-            first, last = prompt_len + start, prompt_len + start + WINDOW  # generated tokens [start, start + 32)
-            visible = causal.clone()
-            visible[last:, first:last] = False  # evicted once the window is complete: later queries miss it
-            mask = torch.zeros(1, 1, total, total).masked_fill(~visible, float("-inf"))
-            hidden = torch.log_softmax(
-                model(ids, attention_mask=mask, use_cache=False).logits[0, last:].float(), dim=-1
-            )
-            after = reference[last:]
-            labels.append((start, float((after.exp() * (after - hidden)).sum(-1).mean())))
-    return labels
-
-
-def calibrate(
-    model, prompts_ids: list[torch.Tensor], new_tokens: int, advance=lambda text: None
-) -> tuple[list[float], int]:
-    """Per-layer Spearman correlation of the smoothed hidden-state change with window importance."""
-    if new_tokens < WINDOW + STRIDE:
-        raise UsageError(
-            f"--new-tokens must be at least {WINDOW + STRIDE} for {WINDOW}-token windows, got {new_tokens}"
-        )
-    features: list[list[float]] = []
-    labels: list[float] = []
-    for index, ids in enumerate(prompts_ids):
-        advance(f"prompt {index + 1}/{len(prompts_ids)}: reference trace")
-        tokens, changes = trace(model, ids, new_tokens)
-        smooth = rolling_mean(changes)  # [layers, new_tokens]
-        advance(f"prompt {index + 1}/{len(prompts_ids)}: window labels")
-        # d(t) belongs to generated token t (its state against the one before); windows index the same tokens
-        for start, label in window_labels(model, ids[0].tolist() + tokens[:-1], ids.shape[1], new_tokens):
-            labels.append(label)
-            features.append(smooth[:, start : start + WINDOW].mean(dim=1).tolist())
-    per_layer = list(zip(*features))
-    return [spearman(list(values), labels) for values in per_layer], len(labels)
-
-
-def choose_bands(rho: list[float]) -> tuple[list[tuple[int, float]], str | None]:
-    """The most positive layer as the +1 band and the most negative as the -1 band, and a note when
-    the pattern differs from the paper's (positive below, negative in the upper middle)."""
-    positive = max(range(len(rho)), key=lambda layer: rho[layer])
-    negative = min(range(len(rho)), key=lambda layer: rho[layer])
-    bands = []
-    if rho[positive] > 0:
-        bands.append((positive, 1.0))
-    if rho[negative] < 0:
-        bands.append((negative, -1.0))
-    if not bands:
-        raise UsageError(
-            "no layer's hidden-state change correlates with window importance; use more prompts or --new-tokens"
-        )
-    note = None
-    if len(bands) < 2:
-        note = "only one band: no layer correlates " + ("negatively" if rho[positive] > 0 else "positively")
-    elif positive > negative:
-        note = (
-            f"the pattern differs from the paper's: the positive band (layer {positive}) "
-            f"lies above the negative one (layer {negative})"
-        )
-    return bands, note
 
 
 def calibrate_command(model_settings, problems, new_tokens: int, json_output: bool = False, quiet: bool = False) -> int:
@@ -162,31 +20,30 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    prompts_ids = [protocol_ids(loaded.tokenizer, problem) for problem in problems]
     started = time.perf_counter()
     with status_line(err, quiet) as status:
-        rho, windows = calibrate(loaded.model, prompts_ids, new_tokens, lambda text: status.update(text))
-    bands, note = choose_bands(rho)
-    key = model_key(loaded.source)
-    calibration = Calibration(key, bands, [round(r, 4) for r in rho], windows, len(problems), new_tokens)
-    calibration.path = str(save_calibration(calibration, key))
+        measured = calibrate_bands(loaded, problems, new_tokens, lambda text: status.update(text))
+    calibration, note = measured.calibration, measured.note
     if json_output:
-        print(
-            json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
-            flush=True,
-        )
-    else:
-        wide_console().print(
-            calibration_table(
-                rho,
-                bands,
-                f"{key}: Spearman ρ of each layer's smoothed change with window importance ({windows} windows)",
+        with writing("stdout"):
+            print(
+                json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
+                flush=True,
             )
-        )
+    else:
+        with writing("stdout"):
+            wide_console().print(
+                calibration_table(
+                    measured.rho,
+                    calibration.bands,
+                    f"{calibration.model}: Spearman ρ of each layer's smoothed change with window importance "
+                    f"({calibration.windows} windows)",
+                )
+            )
         if note:
             err.print(f"note: {note}")
         err.print(
-            f"bands {','.join(f'{layer}:{sign:+.0f}' for layer, sign in bands)} saved to {calibration.path}; "
-            "generate, eval, fidelity and profile use them for --policy epikv (--bands overrides)"
+            f"bands {','.join(f'{layer}:{sign:+.0f}' for layer, sign in calibration.bands)} saved to "
+            f"{calibration.path}; generate, eval, fidelity and profile use them for --policy epikv (--bands overrides)"
         )
     return 0

@@ -1,201 +1,23 @@
-"""``epikv eval``: accuracy of greedy reasoning under each policy and budget, the paper's protocol.
-
-Each problem is prompted with the chat template and the system message "Please reason step by
-step, and put your final answer within \\boxed{}.", decoded greedily, and judged by math-verify:
-the model's answer is the last ``\\boxed{}`` of its output (or a GSM8K-style ``#### N`` when no box
-is written), the reference is the dataset's answer (for GSM8K the number after ``####``).
-One JSONL line per problem x policy x budget, appended as it finishes; ``--resume`` continues.
-"""
+"""``epikv eval``: load, judge every problem x policy x budget (:mod:`epikv_cli.experiments.evaluate`) with a
+progress bar, across processes when launched so, appending each record to ``--output``; print the accuracy table
+or one JSON object."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import statistics
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 from rich.console import Console
 
-from epikv_cli.cli.fidelity import Config
 from epikv_cli.cli.ui import eval_table, progress_bar, wide_console
-from epikv_cli.config import SamplingSettings
 from epikv_cli.data.jsonl import JsonlWriter, read_results, sort_by_line
-from epikv_cli.data.problems import (
-    HUB_DATASETS,
-    Problem,
-    load_hub_dataset,
-    load_problems,
-    protocol_ids,
-)
-from epikv_cli.errors import EXIT_INTERRUPTED, UsageError
+from epikv_cli.data.problems import Problem
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
+from epikv_cli.experiments.evaluate import eval_records, load_eval_problems, remaining, summarise
+from epikv_cli.experiments.fidelity import Config
 from epikv_cli.models.loading import load
-from epikv_cli.runtime.batchgen import BatchedGeneration, Request
-from epikv_cli.runtime.generation import Generation
 from epikv_cli.runtime.scaleout import PeerFailed, Ranks
-
-Z95 = 1.959963984540054
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    brace = text.find("{", start)
-    if brace < 0:
-        return None
-    depth = 0
-    for index in range(brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[index], 0)
-        if depth == 0:
-            return text[brace + 1 : index].strip()
-    return None
-
-
-def after_hashes(text: str) -> str | None:
-    """What follows the last ``####`` (GSM8K's answer form), commas dropped."""
-    if "####" not in text:
-        return None
-    answer = text.rsplit("####", 1)[1].strip().splitlines()
-    return answer[0].replace(",", "").strip() if answer else None
-
-
-def model_answer(text: str) -> str | None:
-    """The model's final answer: the last boxed expression, else a ``#### N`` line."""
-    return last_boxed(text) or after_hashes(text)
-
-
-def reference_answer(answer: str) -> str:
-    """The dataset's answer as an expression (GSM8K solutions end in ``#### N``)."""
-    return after_hashes(answer) or answer.strip()
-
-
-def is_correct(prediction: str | None, reference: str) -> bool:
-    """Whether math-verify finds ``prediction`` equal to ``reference`` (both read as LaTeX)."""
-    if not prediction:
-        return False
-    from math_verify import parse, verify  # noqa: PLC0415 (math-verify: imports sympy (seconds), needed only to judge answers)
-
-    gold = parse(f"${reference}$")
-    guess = parse(f"${prediction}$")
-    return bool(gold and guess and verify(gold, guess))
-
-
-def wilson(correct: int, total: int) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if total == 0:
-        return (math.nan, math.nan)
-    p = correct / total
-    centre = (p + Z95**2 / (2 * total)) / (1 + Z95**2 / total)
-    half = Z95 * math.sqrt(p * (1 - p) / total + Z95**2 / (4 * total**2)) / (1 + Z95**2 / total)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-@dataclass
-class EvalRow:
-    """Accuracy of one policy x budget."""
-
-    policy: str
-    budget: str
-    problems: int
-    correct: int
-    accuracy: float
-    low: float
-    high: float
-    no_answer: int
-    errors: int
-    mean_generated_tokens: float | None
-    mean_tokens_per_s: float | None
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
-    rows = []
-    for config in configs:
-        mine = [r for r in records if r["policy"] == config.policy and r["budget"] == config.budget.text]
-        answered = [r for r in mine if r.get("error") is None]
-        correct = sum(bool(r["correct"]) for r in answered)
-        low, high = wilson(correct, len(answered))
-        speeds = [r["decode_tokens_per_s"] for r in answered if r.get("decode_tokens_per_s")]
-        lengths = [r["generated_tokens"] for r in answered]
-        rows.append(
-            EvalRow(
-                config.policy,
-                config.budget.text,
-                len(answered),
-                correct,
-                correct / len(answered) if answered else math.nan,
-                low,
-                high,
-                sum(r["prediction"] is None for r in answered),
-                len(mine) - len(answered),
-                statistics.fmean(lengths) if lengths else None,
-                statistics.fmean(speeds) if speeds else None,
-            )
-        )
-    return rows
-
-
-def evaluate_one(loaded, problem: Problem, config: Config, max_new_tokens: int) -> dict:
-    """Generate greedily for one problem under one config and judge the answer."""
-    ids = protocol_ids(loaded.tokenizer, problem)
-    try:
-        generation = Generation(
-            loaded.model,
-            loaded.tokenizer,
-            ids,
-            config.settings(ids.shape[1]),
-            SamplingSettings(max_new_tokens=max_new_tokens),
-        )
-        for _ in generation:
-            pass
-    except UsageError as error:  # e.g. a prompt too long for this budget
-        return judged(problem, config, error)
-    return judged(problem, config, generation.result)
-
-
-def evaluate_batched(loaded, work: list[tuple[Problem, Config]], max_new_tokens: int, batch_size: int):
-    """``judged`` records of every (problem, config), decoded ``batch_size`` at a time, in finishing order."""
-
-    sampling = SamplingSettings(max_new_tokens=max_new_tokens)
-    requests = []
-    for index, (problem, config) in enumerate(work):
-        ids = protocol_ids(loaded.tokenizer, problem)
-        requests.append(Request(index, ids, config.settings(ids.shape[1]), sampling))
-    for index, outcome in BatchedGeneration(
-        loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]
-    ):
-        yield judged(*work[index], outcome)
-
-
-def judged(problem: Problem, config: Config, result) -> dict:
-    """The JSONL record of one answer (or of the error that kept it from running), judged by math-verify."""
-    record = {"id": problem.id, "line": problem.line, "policy": config.policy, "budget": config.budget.text}
-    if isinstance(result, UsageError):
-        return {**record, "error": str(result)}
-    prediction = model_answer(result.text)
-    reference = reference_answer(problem.answer)
-    return {
-        **record,
-        "reference": reference,
-        "prediction": prediction,
-        "correct": is_correct(prediction, reference),
-        "prompt_tokens": result.prompt_tokens,
-        "generated_tokens": result.generated_tokens,
-        "stop_reason": result.stop_reason,
-        "decode_tokens_per_s": result.decode_tokens_per_s,
-        "text": result.text,
-        "error": None,
-    }
-
-
-def _key(record: dict) -> str:
-    return json.dumps([record["id"], record["policy"], record["budget"]])
 
 
 def run_eval(
@@ -214,14 +36,7 @@ def run_eval(
     previous = read_results(files.output) if files.resume and files.output is not None else []
     if ranks.is_main and files.output is not None and not files.resume:
         files.output.write_text("", encoding="utf-8")
-    done = {_key(r) for r in previous if r.get("error") is None}
-    work = [
-        (p, c)
-        for p in problems
-        for c in configs
-        if _key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) not in done
-    ]
-    mine = ranks.shard(work)
+    mine = ranks.shard(remaining(problems, configs, previous))
     records = list(previous)
     interrupted = False
     writer = None
@@ -230,11 +45,7 @@ def run_eval(
         writer = JsonlWriter(files.output) if files.output is not None else None
         with progress_bar(err, disable=quiet or not ranks.is_main, transient=True, eta=True) as progress:
             task = progress.add_task("eval", total=len(mine), status="")
-            if batch_size > 1:
-                outcomes = evaluate_batched(loaded, mine, max_new_tokens, batch_size)
-            else:
-                outcomes = (evaluate_one(loaded, problem, config, max_new_tokens) for problem, config in mine)
-            for record in outcomes:
+            for record in eval_records(loaded, mine, max_new_tokens, batch_size):
                 progress.update(task, status=f"{record['id']} {record['policy']} {record['budget']}")
                 if ranks.world > 1:
                     record["rank"] = ranks.rank
@@ -288,18 +99,7 @@ def eval_command(
         raise UsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
-    if dataset in HUB_DATASETS and not Path(dataset).exists():
-        problems = load_hub_dataset(dataset, limit, offset)
-    else:
-        problems = load_problems(
-            Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset, option="--dataset"
-        )
-    missing = next((p for p in problems if p.answer is None), None)
-    if missing is not None:
-        raise UsageError(
-            f"{dataset}:{missing.line}: no '{answer_field}' field; name the reference answer's field with "
-            "--answer-field"
-        )
+    problems = load_eval_problems(dataset, field, answer_field, limit, offset)
     ranks = Ranks.from_env()
     if ranks.world > 1 and files.output is None:
         raise UsageError("several processes need --output FILE.jsonl to write one merged result")
@@ -314,22 +114,24 @@ def eval_command(
     rows = summarise([r for r in records if "policy" in r], configs)
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
-        print(
-            json.dumps(
-                {
-                    "model": model_name,
-                    "dataset": dataset,
-                    "problems": len(problems),
-                    "max_new_tokens": max_new_tokens,
-                    "results": [r.to_dict() for r in rows],
-                }
-            ),
-            flush=True,
-        )
+        with writing("stdout"):
+            print(
+                json.dumps(
+                    {
+                        "model": model_name,
+                        "dataset": dataset,
+                        "problems": len(problems),
+                        "max_new_tokens": max_new_tokens,
+                        "results": [r.to_dict() for r in rows],
+                    }
+                ),
+                flush=True,
+            )
     else:
         title = (
             f"{model_name} on {dataset}: {len(problems)} problems, greedy, {max_new_tokens} new tokens at most; "
             "accuracy with its 95% Wilson interval"
         )
-        wide_console().print(eval_table(rows, title))
+        with writing("stdout"):
+            wide_console().print(eval_table(rows, title))
     return code

@@ -22,7 +22,7 @@ from epikv_cli.data.prompts import (
     has_chat_template,
     require_text,
 )
-from epikv_cli.errors import EXIT_INTERRUPTED, UsageError
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.models.loading import load
 from epikv_cli.runtime.generation import Generation, GenerationResult
 from epikv_cli.runtime.stream import input_device
@@ -52,7 +52,8 @@ def interruption_line(generated: int, text_shown: bool) -> str:
 def report_nothing_generated(json_output: bool, policy: str, budget: int | None) -> int:
     """Ctrl-C before the first token: the zero-token JSON object (with ``--json``) and one line; exit 130."""
     if json_output:
-        print(json.dumps(GenerationResult.nothing(policy, budget).to_dict(), ensure_ascii=False), flush=True)
+        with writing("stdout"):
+            print(json.dumps(GenerationResult.nothing(policy, budget).to_dict(), ensure_ascii=False), flush=True)
     print(interruption_line(0, False), file=sys.stderr)
     return EXIT_INTERRUPTED
 
@@ -105,6 +106,11 @@ def run_generate(
         if not quiet:
             print(f"epikv: {message}", file=sys.stderr, flush=True)
 
+    def emit(text: str) -> None:
+        with writing("stdout"):
+            out.write(text)
+            out.flush()
+
     generation = view = None
     interrupted = False
     try:
@@ -133,8 +139,7 @@ def run_generate(
         with live or nullcontext():
             for event in generation:
                 if stream_text and event.text:
-                    out.write(event.text)
-                    out.flush()
+                    emit(event.text)
                 if live is not None:
                     view.state.bands = generation.bands_description
                     live.update(event)
@@ -144,15 +149,15 @@ def run_generate(
     if result is None:  # interrupted before generation began: nothing to show but the truth
         return report_nothing_generated(json_output, cache.policy, cache.budget)
     if stream_text:
-        out.write(generation.tail_text + "\n")
+        emit(generation.tail_text + "\n")
     elif use_panel:  # the live panel was transient: print the whole text now
-        out.write(result.text + "\n")
-    out.flush()
+        emit(result.text + "\n")
     if use_panel:
         view.state.memory_bytes = result.peak_memory_bytes
         panel_console.print(view.render(with_text=False))
     if json_output:
-        print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+        with writing("stdout"):
+            print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
     elif not quiet:
         err.print(f"[dim]{summary_line(result)}[/dim]")
     if interrupted:

@@ -309,7 +309,19 @@ def progress_bar(console: Console, disable: bool = False, transient: bool = Fals
     ]
     if eta:
         columns.append(TimeRemainingColumn())
-    return Progress(*columns, console=console, disable=disable, transient=transient)
+    return _Progress(*columns, console=console, disable=disable, transient=transient)
+
+
+class _Progress(Progress):
+    """rich's progress bar, except that a run ended by an error leaves no bar behind: its one error line is the
+    last word. Ctrl-C still leaves the bar where it stopped."""
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt) or self.disable:
+            super().__exit__(exc_type, exc_value, traceback)
+            return
+        self.live.transient = True  # erased from a terminal, never drawn into a file
+        self.live.stop()  # and without the empty line rich's own stop leaves in a file
 
 
 def fidelity_table(rows, title: str, compact: bool = False) -> Table:

@@ -1,4 +1,9 @@
-"""JSONL results files: one record per line, written whole and flushed, read back for --resume."""
+"""JSONL results files: one record per line, written whole and flushed, read back for --resume.
+
+A line that cannot be written completely (no space left on the device) is cut off again, so the file only ever
+holds whole lines and ``--resume`` continues from them; the failure is raised as
+:class:`~epikv_cli.errors.WriteError`, naming the file (or stdout).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,14 @@ import fcntl
 import json
 import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from epikv_cli.errors import UsageError
+from epikv_cli.errors import UsageError, WriteError, writing
+
+#: What a results file keeps when a line cannot be written, and how to go on.
+KEPT = "every finished line is kept; rerun with --resume when there is room"
 
 
 # -- the results file --------------------------------------------------------------------------------
@@ -56,40 +65,65 @@ def jsonl_line(record: dict) -> str:
 
 
 def write_records(path: Path, records: list[dict]) -> None:
-    """Replace ``path`` with ``records`` (atomically: a crash leaves the old file or the new one)."""
+    """Replace ``path`` with ``records`` (atomically: a crash, or a full disk, leaves the old file or the new one)."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(jsonl_line(r) for r in records), encoding="utf-8")
-    os.replace(temporary, path)
+    try:
+        with writing(path, KEPT):
+            temporary.write_text("".join(jsonl_line(r) for r in records), encoding="utf-8")
+            os.replace(temporary, path)
+    except WriteError:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes it; a file lock keeps ranks' lines whole."""
+    """Appends one JSON object per line, whole, and flushes it; a file lock keeps ranks' lines whole.
+
+    ``path`` None writes to stdout. A line that does not fit on the device is removed again from the file
+    (stdout cannot take back what it passed on) and :class:`~epikv_cli.errors.WriteError` is raised.
+    """
 
     def __init__(self, path: Path | None) -> None:
-        self.file = open(path, "a", encoding="utf-8") if path is not None else sys.stdout
-        self.locked = path is not None
+        self.path = path
+        self.fd: int | None = None
+        if path is not None:
+            with writing(path, KEPT):
+                self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write(self, record: dict) -> None:
         line = jsonl_line(record)
-        if self.locked:
-            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX)
+        if self.fd is None:
+            with writing("stdout"):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            return
+        data = line.encode("utf-8")
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
-            self.file.write(line)
-            self.file.flush()
+            end = os.lseek(self.fd, 0, os.SEEK_END)  # where this line starts (no other rank appends meanwhile)
+            try:
+                written = 0
+                while written < len(data):  # a full device may take part of the line before it refuses
+                    written += os.write(self.fd, data[written:])
+            except OSError as error:
+                with suppress(OSError):
+                    os.ftruncate(self.fd, end)  # no half line stays behind
+                raise WriteError(self.path, error, KEPT) from error
         finally:
-            if self.locked:
-                fcntl.flock(self.file.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        if self.locked:
-            self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def sort_by_line(path: Path) -> None:
-    """Rewrite ``path`` in input-line order (atomically)."""
+    """Rewrite ``path`` in input-line order (atomically); a file already in order is left as it is."""
     records = read_results(path)
-    records.sort(key=lambda record: record.get("line", 0) if isinstance(record.get("line"), int) else 0)
-    write_records(path, records)
+    ordered = sorted(records, key=lambda record: record.get("line", 0) if isinstance(record.get("line"), int) else 0)
+    if ordered != records:
+        write_records(path, ordered)
 
 
 def valid_id(value: Any) -> bool:

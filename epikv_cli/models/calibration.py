@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from epikv_cli.errors import WriteError, writing
 from epikv_cli.models.demo import cache_dir
 
 
@@ -49,11 +51,20 @@ def load_calibration(model_key: str) -> Calibration | None:
 
 
 def save_calibration(calibration: Calibration, model_key: str) -> Path:
+    """Write ``calibration`` where :func:`bands_path` keeps it, atomically: a full disk leaves the bands saved
+    before (if any) and raises :class:`~epikv_cli.errors.WriteError` naming the file."""
     path = bands_path(model_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = asdict(calibration)
     data.pop("path")
-    path.write_text(json.dumps(data, indent=1))
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(json.dumps(data, indent=1))
+            os.replace(temporary, path)
+    except WriteError:
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 
