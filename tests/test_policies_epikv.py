@@ -113,7 +113,7 @@ def test_changes_are_token_to_token_at_the_same_layer():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 10))
     full = model(ids, output_hidden_states=True).hidden_states
-    with epikv_cli.attach(model, budget=512, bands=((1, 1.0), (2, -1.0))) as cache:
+    with epikv_cli.attach(model, budget=512, policy="epikv", bands=((1, 1.0), (2, -1.0))) as cache:
         with torch.inference_mode():
             model(ids[:, :7], cache=cache, use_cache=True)
             for t in range(7, 10):
