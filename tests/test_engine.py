@@ -212,7 +212,9 @@ def test_a_non_finite_score_signal_is_counted_in_the_result(tokenizer, monkeypat
 
     monkeypatch.setattr(EpiKV, "stage", overflowing)
     events, result = run(tokenizer, cache=CacheSettings(budget=24, policy="epikv"), max_new_tokens=30)
-    assert result.nonfinite_scores == 1 and result.evicted == 8 + 30 - 1 - 24
+    assert result.policy_report["nonfinite_scores"] == 1 and result.evicted == 8 + 30 - 1 - 24
+    # the top-level key of earlier releases repeats it, for one release
+    assert result.to_dict()["nonfinite_scores"] == 1 and result.to_dict()["policy_report"] == result.policy_report
     scores = dict(pair for event in events for pair in event.scored)
     assert sorted(scores) == list(range(8, 8 + 30 - 1)) and all(math.isfinite(score) for score in scores.values())
     # position 10 (fed by the third decoding forward) scores 0, neither kept for ever nor evicted first; the
