@@ -180,8 +180,10 @@ class BatchDecoder:
                 "set tokenizer.padding_side = 'left'"
             )
         self._pads = padding.sum(dim=1).tolist()
-        self.cache.begin_prefill()
+        self.cache.begin_prefill()  # refuses a cache that still holds rows
+        self.policies, self._pending = [], []  # a reset cache's rows took their policies with them
         if self.attention is not None:
+            self.attention.record.queries.clear()  # and their query rings
             self.attention.weight_rows = None
             self.attention.query_valid = ~padding
         self._set_taps(True)
@@ -208,7 +210,7 @@ class BatchDecoder:
             for setting, policy in zip(settings, policies)
         ]
         self.cache.finish_prefill(self._pads, rows, queries)
-        self.policies.extend(policies)
+        self.policies = policies
         if self.attention is not None:
             for ring in self.attention.record.queries.values():  # a short prompt's ring holds padding queries too
                 ring.valid = [min(v, length - pad) for v, pad in zip(ring.valid, self._pads)]
