@@ -6,6 +6,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no test may need the Hub
 
+# Under pytest-xdist the workers share the cores: each worker's torch (and the CLI subprocesses its tests start)
+# gets its share of them, one thread per worker on two cores, instead of every worker running a thread per core
+# and waiting on the others' threads. Threads change only the order of float reductions, and no test compares
+# against numbers recorded with another thread count (the golden test runs on one thread whatever is set here).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import pytest
 import torch
 from transformers import (
@@ -20,6 +28,9 @@ from transformers import (
 )
 
 from epikv_cli.models.loading import byte_tokenizer
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
