@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no test may need the Hub
@@ -80,6 +81,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def pytest_collection_finish(session):
+    """What is imported and collected by now (torch, transformers, the test modules: some 400k objects) lives to
+    the end of the session: freeze it out of the garbage collector's sight. Each full collection (a Generation runs
+    one before it starts, and Python runs its own as objects pile up) then scans only what the tests made since,
+    instead of 0.2 s over everything; all of that is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
