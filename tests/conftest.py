@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no
 # gets its share of them, one thread per worker on two cores, instead of every worker running a thread per core
 # and waiting on the others' threads. Threads change only the order of float reductions, and no test compares
 # against numbers recorded with another thread count (the golden test runs on one thread whatever is set here).
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_THREADS"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
@@ -30,7 +30,7 @@ from transformers import (
 
 from epikv_cli.models.loading import byte_tokenizer
 
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and os.environ["OMP_NUM_THREADS"].isdigit():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 CHAT_TEMPLATE = (
