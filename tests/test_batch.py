@@ -109,7 +109,7 @@ def test_jsonl_with_good_malformed_and_over_budget_lines(tiny_model_dir, tmp_pat
     assert rows["b"]["messages"][0]["content"] == "hi" and rows["b"]["error"] is None
     assert rows["e"]["stats"]["budget"] == 64
     assert "not valid JSON" in rows[2]["error"] and rows[2]["text"] is None
-    assert "--budget 48 is not larger" in rows["c"]["error"]
+    assert "--budget 48 is too small for" in rows["c"]["error"]
     assert "'prompt'" in rows["d"]["error"]
     assert error_lines(result) == [2, 4, 5]
     assert all(line.startswith(f"epikv: {prompts}:") for line in result.stderr.strip().splitlines())

@@ -123,7 +123,7 @@ def test_typers_pydantic_prefix_is_not_shown():
         (
             ["-p", "epikv", "--budget", "20", "a long enough prompt"],
             None,
-            ["--budget 20 is not larger than", "use --budget"],
+            ["--budget 20 is too small for", "use --budget"],
         ),
         ([""], None, ["prompt is empty"]),
         (["-"], "   \n", ["stdin held no prompt text"]),

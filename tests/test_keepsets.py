@@ -14,11 +14,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from epikv_cli.config import CacheSettings, SamplingSettings
-from epikv_cli.core.keepsets import HeadSlots, gone_positions, order_keys
+from epikv_cli.core.keepsets import HeadSlots, order_keys
 from epikv_cli.errors import UsageError
 from epikv_cli.policies import epikv2
 from epikv_cli.policies.epikv2 import EpiKV2, received_by_head, received_by_layers
 from epikv_cli.policies.registry import make_policy
+from epikv_cli.policies.shortlist import gone_positions
 from epikv_cli.runtime.generation import Generation
 from epikv_cli.runtime.stream import CacheStream
 
@@ -191,7 +192,7 @@ def test_granular_options_are_checked():
 
 
 def test_adaptive_window_moves_towards_what_is_attended():
-    policy = EpiKV2(64, keep="head", adapt=1)
+    policy = EpiKV2(budget=64, keep="head", adapt=1)
     policy._recent_by_layer = torch.tensor([48, 48])
     seen = 100
     positions = torch.cat([torch.arange(4), torch.arange(40, 52), torch.arange(52, 100)]).expand(

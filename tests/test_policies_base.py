@@ -39,7 +39,7 @@ def test_lowest_breaks_ties_by_age():
 
 
 def test_scored_keep_rule_on_scrambled_slots():
-    policy = EpiKV(recent=2, bands=((0, 1.0),))
+    policy = EpiKV(recent=2, given_bands=((0, 1.0),))
     for position, score in {3: 0.2, 4: 0.3, 5: 0.3, 6: -1.0, 7: 0.3, 8: 0.0, 9: -5.0, 10: -9.0, 11: -9.0}.items():
         policy.book.set(position, score)
     # slots hold positions in scrambled order (as after earlier moves)

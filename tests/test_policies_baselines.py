@@ -380,11 +380,11 @@ def test_epikv2_stretches_a_copying_heads_window_by_its_copymargin():
     sources = torch.tensor([[[[167, 168, 169, 170]], [[40, 12, 80, 7]]]])
     weights = torch.full((1, 2, 1, 4), 0.5)
     for margin, window in ((None, 500 - 170 + 16), (0, 330), (32, 362), (200, 400 - 4)):
-        policy = EpiKV2(400) if margin is None else EpiKV2(400, copymargin=margin)
+        policy = EpiKV2(budget=400) if margin is None else EpiKV2(budget=400, copymargin=margin)
         policy._follow_copies(sources, weights, floor=4, seen=501)
         assert policy._window[..., 0].tolist() == [[window, 300]]
     with pytest.raises(UsageError, match="copymargin"):
-        EpiKV2(400, copymargin=-1)
+        EpiKV2(budget=400, copymargin=-1)
 
 
 def test_epikv2_loop_keeps_the_repetition_before_the_one_a_head_reads():
@@ -398,14 +398,14 @@ def test_epikv2_loop_keeps_the_repetition_before_the_one_a_head_reads():
     beyond = torch.tensor([[[[40, 12, 80, 7]], [[40, 12, 80, 7]]]])
     sources, weights = torch.stack([beyond, inside]), torch.full((2, 1, 2, 1, 4), 0.5)
     for options, window in (({}, 2 * 160 + 16), ({"copymargin": 0}, 320)):
-        policy = EpiKV2(400, **options)
+        policy = EpiKV2(budget=400, **options)
         policy._follow_copies(sources, weights, floor=4, seen=501)
         assert policy._window[..., 0].tolist() == [[window, 300]]
-    assert EpiKV2(400).loop == DEFAULT_LOOP == 32
-    assert EpiKV2(400, copy=0).loop == 0 and EpiKV2(400, keep="global").loop == 0
+    assert EpiKV2(budget=400).loop == DEFAULT_LOOP == 32
+    assert EpiKV2(budget=400, copy=0).loop == 0 and EpiKV2(budget=400, keep="global").loop == 0
     for options in ({"copy": 0, "loop": 32}, {"keep": "global", "loop": 32}, {"loop": -1}):
         with pytest.raises(UsageError, match="loop"):
-            EpiKV2(400, **options)
+            EpiKV2(budget=400, **options)
 
 
 def test_epikv2_takes_recent_in_tokens_once():

@@ -66,7 +66,7 @@ def test_default_bands_follow_depth_fractions(layers, bands):
 
 
 def test_band_out_of_range_is_a_usage_error():
-    policy = EpiKV(recent=4, bands=((40, 1.0),))
+    policy = EpiKV(recent=4, given_bands=((40, 1.0),))
     with pytest.raises(UsageError, match="out of range"):
         policy.setup(30)
 
@@ -77,7 +77,7 @@ def hidden(rows):
 
 
 def test_score_is_signed_sum_of_band_zscores():
-    policy = EpiKV(recent=4, bands=((0, 1.0), (1, -1.0)))
+    policy = EpiKV(recent=4, given_bands=((0, 1.0), (1, -1.0)))
     policy.setup(2)
     # prefill: the last prompt token's state is what the first generated token differs from
     policy.observe(Signals(range(0, 2), True, {0: hidden([[9, 9], [0, 0]]), 1: hidden([[7, 7], [0, 0]])}))
@@ -96,8 +96,8 @@ def test_score_is_signed_sum_of_band_zscores():
 
 def test_multi_token_forward_scores_like_single_steps():
     rows = torch.randn(6, 8).tolist()
-    one = EpiKV(recent=1, bands=((0, 1.0),))
-    many = EpiKV(recent=1, bands=((0, 1.0),))
+    one = EpiKV(recent=1, given_bands=((0, 1.0),))
+    many = EpiKV(recent=1, given_bands=((0, 1.0),))
     for p in (one, many):
         p.setup(1)
         p.observe(Signals(range(0, 1), True, {0: hidden([rows[0]])}))
@@ -165,7 +165,7 @@ def test_a_non_finite_change_does_not_poison_the_window():
         clean.push(value)
     assert poisoned.push(math.inf) == 0.0 and poisoned.push(math.nan) == 0.0
     assert poisoned.push(3.0) == clean.push(3.0)  # the next z-scores are those of the finite values
-    policy = EpiKV(recent=1, bands=((0, 1.0),))
+    policy = EpiKV(recent=1, given_bands=((0, 1.0),))
     policy.setup(1)
     policy.observe(Signals(range(0, 1), True, {0: hidden([[0.0, 0.0]])}))
     policy.observe(Signals(range(1, 2), False, {0: hidden([[math.inf, 0.0]])}))

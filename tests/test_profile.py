@@ -251,7 +251,7 @@ def test_table_output(tiny_model_dir):
         (["--new-tokens", "7"], ["--new-tokens must be at least 8"]),
         (
             ["--policies", "epikv", "--budget", "100", "--prompt-tokens", "100"],
-            ["--budget 100 is not larger than the 100-token prompt"],
+            ["--budget 100 is too small for epikv, which keeps the 100-token prompt"],
         ),
         (["--max-context", "--memory-limit", "lots"], ["is not a size"]),
         (["--max-context", "--memory-limit", "100000GiB"], ["more than this machine has available"]),

@@ -89,7 +89,7 @@ def test_compressed_positions_through_generate():
 
 def test_prompt_longer_than_the_budget_is_refused():
     with epikv_cli.attach(MODEL, budget=12, policy="epikv") as cache:
-        with pytest.raises(UsageError, match="--budget 12 is not larger"):
+        with pytest.raises(UsageError, match="--budget 12 is too small for epikv"):
             MODEL.generate(IDS, cache=cache, max_new_tokens=5, **GEN)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings, parse_bands
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import default_recent
+from epikv_cli.policies.base import method_recent as default_recent
 from epikv_cli.policies.registry import check_settings, make_policy
 
 

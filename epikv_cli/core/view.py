@@ -12,17 +12,32 @@ Answers (:meth:`~epikv_cli.policies.base.Policy.select`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from epikv_cli.core.keepsets import HeadVictims
-
-if TYPE_CHECKING:
-    from epikv_cli.core.keepsets import HeadSlots
+from epikv_cli.core.keepsets import HeadSlots, HeadVictims, order_keys
 
 #: What :meth:`~epikv_cli.policies.base.Policy.select` returns: shared slots, or victims per (layer, KV head).
 Victims = list[int] | HeadVictims
+
+
+@dataclass
+class Moves:
+    """Entries the cache moved to close the slots its victims left, for a policy's slot-indexed state to follow.
+
+    Attributes:
+        holes, movers: one shared set: the entry in slot ``movers[i]`` now lies in slot ``holes[i]``.
+        head_victims: per (layer, KV head): ``[layers, kv_heads, 1]`` the slot each one's entry in slot
+            ``head_last`` moved into (None: no such move).
+        head_last: that last slot.
+    """
+
+    holes: list[int] = field(default_factory=list)
+    movers: list[int] = field(default_factory=list)
+    head_victims: torch.Tensor | None = None
+    head_last: int = -1
 
 
 class CacheView(Protocol):
@@ -65,4 +80,6 @@ class CacheView(Protocol):
         order."""
 
 
-__all__ = ["CacheView", "HeadVictims", "Victims"]
+#: Re-exported for policies, which import only the policy base, this module and torch: a granular policy's occupancy
+#: (:class:`HeadSlots`), its answer (:class:`HeadVictims`) and the (score, position) sort key (:func:`order_keys`).
+__all__ = ["CacheView", "HeadSlots", "HeadVictims", "Moves", "Victims", "order_keys"]

@@ -6,11 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.policies.base import Policy, evictable_mask
+from epikv_cli.policies.base import BudgetFloor, Policy, PolicyOptions, evictable_mask
 
 if TYPE_CHECKING:
     from epikv_cli.core.view import CacheView
+
+
+#: StreamingLLM's attention sinks: the first tokens, kept for ever.
+SINKS = 4
 
 
 class FullCache(Policy):
@@ -19,10 +22,6 @@ class FullCache(Policy):
     name = "full"
     evicts = False
     takes_recent = False
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> FullCache:
-        return cls()
 
     def select(self, cache: CacheView, count: int) -> list[int]:
         return []
@@ -35,22 +34,13 @@ class Streaming(Policy):
     protects_prompt = False
     takes_recent = False
 
-    def __init__(self, sinks: int = 4) -> None:
-        self.sinks = sinks
-        self._oldest = sinks  # every position between the sinks and this one has left already
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.sinks = SINKS
+        self._oldest = SINKS  # every position between the sinks and this one has left already
 
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> Streaming:
-        return cls()
-
-    def min_budget(self, prompt_len: int) -> int:
-        return self.sinks + 1
-
-    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return (
-            f"--budget {budget} is too small for streaming, which keeps {self.sinks} sink tokens and "
-            f"at least one recent token; use --budget {needed} or more"
-        )
+    def budget_floor(self, prompt_len: int) -> BudgetFloor:
+        return BudgetFloor(self.sinks + 1, f"{self.sinks} sink tokens and at least one recent token")
 
     def select(self, cache: CacheView, count: int) -> list[int]:
         """The ``count`` oldest non-sink tokens: streaming evicts in position order, O(count) per step."""
@@ -64,13 +54,9 @@ class RandomEviction(Policy):
 
     name = "random"
 
-    def __init__(self, recent: int, seed: int = 0) -> None:
-        self.recent = recent
-        self.generator = torch.Generator().manual_seed(seed)
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> RandomEviction:
-        return cls(recent=cls.recent_from(settings), seed=settings.seed)
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.generator = torch.Generator().manual_seed(self.options.seed)
 
     def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()

@@ -12,13 +12,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import Signals
+from epikv_cli.policies.base import PolicyOptions, Signals, UsageError, setting
 from epikv_cli.policies.keep_scored import ScoredPolicy
 
 #: Paper defaults (METHOD.md): z-score window and its epsilon.
@@ -77,41 +74,39 @@ class StepScore:
     zscores: tuple[float, ...]  # z per band
 
 
+@dataclass(frozen=True)
+class EpiKVOptions(PolicyOptions):
+    """EpiKV's options.
+
+    Attributes:
+        bands: where the bands come from (``--policies epikv:bands=...``): ``default`` (the paper's depth fractions),
+            ``calibrated`` (the model's saved calibration, required) or ``auto``: ``--bands``, else calibrated, else
+            default.
+        given_bands: ``--bands``, ``(layer, sign)`` pairs (None: none given).
+    """
+
+    bands: str = "auto"
+    given_bands: tuple[tuple[int, float], ...] | None = setting("bands")
+
+    def __post_init__(self) -> None:
+        if self.bands not in ("auto", "default", "calibrated"):
+            raise UsageError(f"epikv option bands={self.bands!r}: choose auto, default or calibrated")
+
+
 class EpiKV(ScoredPolicy):
-    """EpiKV-Flat. ``bands=None`` uses :func:`default_bands` for the model's depth."""
+    """EpiKV-Flat. No bands given: the model's calibration, else :func:`default_bands` for its depth."""
 
     name = "epikv"
-    staged = True
-    #: ``--policies epikv:bands=default`` (the paper's depth fractions) or ``bands=calibrated`` (the
-    #: model's saved calibration, required); ``auto`` (the default): ``--bands``, else calibrated, else default
-    OPTIONS: ClassVar[dict[str, type]] = {"bands": str}
+    Options = EpiKVOptions
+    spikes = True
 
-    def __init__(
-        self,
-        recent: int,
-        bands: tuple[tuple[int, float], ...] | None = None,
-        window: int = ZSCORE_WINDOW,
-        eps: float = ZSCORE_EPS,
-        band_source: str = "auto",
-    ) -> None:
-        super().__init__()
-        if window < 2:
-            raise UsageError(f"the z-score window must hold at least 2 values, got {window}")
-        if band_source not in ("auto", "default", "calibrated"):
-            raise UsageError(f"epikv option bands={band_source!r}: choose auto, default or calibrated")
-        self.band_source = band_source
-        self.recent = recent
-        self.requested_bands = bands
-        self.window = window
-        self.eps = eps
+    def __init__(self, options: EpiKVOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.band_source = self.options.bands
+        self.requested_bands = self.options.given_bands
         self.bands: list[Band] = []
         self.bands_source: str | None = None  # where the bands came from, said in --json and the panel
         self.last: list[StepScore] = []
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> EpiKV:
-        options = cls.options_from(settings)
-        return cls(recent=cls.recent_from(settings), bands=settings.bands, band_source=options.get("bands", "auto"))
 
     def setup(self, num_layers: int, calibration=None) -> None:
         """Bands: ``--bands`` if given, else the model's calibrated bands, else the depth-fraction default
@@ -133,7 +128,7 @@ class EpiKV(ScoredPolicy):
                     f"band layer {layer} is out of range: the model has {num_layers} decoder layers "
                     f"(0-{num_layers - 1})"
                 )
-        self.bands = [Band(layer, sign, RollingZScore(self.window, self.eps)) for layer, sign in pairs]
+        self.bands = [Band(layer, sign, RollingZScore(ZSCORE_WINDOW, ZSCORE_EPS)) for layer, sign in pairs]
 
     def report(self) -> dict:
         """The bands, ``[[layer, sign], ...]``, where they came from, and the non-finite score count."""

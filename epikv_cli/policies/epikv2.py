@@ -43,21 +43,29 @@ reaches back twice as far as the key it reads, default 32, ``loop=0`` follows on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from epikv_cli.config import MAX_TOKENS, CacheSettings
-from epikv_cli.core.attention import AttentionNeeds
-from epikv_cli.core.keepsets import HeadVictims, Shortlist, gone_positions
-from epikv_cli.core.scratch import Scratch
-from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import Policy, Signals
+from epikv_cli.core.view import HeadVictims
+from epikv_cli.policies.base import (
+    MAX_TOKENS,
+    AttentionNeeds,
+    BudgetFloor,
+    Policy,
+    PolicyOptions,
+    Scratch,
+    Signals,
+    UsageError,
+    setting,
+)
 from epikv_cli.policies.epikv import EpiKV
 from epikv_cli.policies.keep_scored import CandidateHeap, ScoreBook
+from epikv_cli.policies.shortlist import Shortlist, gone_positions
 
 if TYPE_CHECKING:
-    from epikv_cli.core.view import CacheView
+    from epikv_cli.core.view import CacheView, Moves
 
 
 def received_attention(
@@ -334,55 +342,38 @@ def _copies(sources: torch.Tensor, weights: torch.Tensor, share: float, min_weig
 MAX_SHARE = 0.99
 
 
-class EpiKV2(Policy):
-    """Sinks, a recent share of the budget, then the most attention received from recent queries."""
+@dataclass(frozen=True)
+class EpiKV2Options(PolicyOptions):
+    """EpiKV-2's options (the module's docstring says what each does); ``recent`` is also ``--recent``."""
 
-    name = "epikv2"
-    protects_prompt = False
-    takes_recent = True  # --recent R is its recent option, in tokens (recent_for reads its share or count)
-    staged = True
-    #: granular: each step's victims decided from a short list built at each refresh (False: search all K
-    #: every step, the reference the list is tested against)
-    shortlisted: ClassVar[bool] = True
-    OPTIONS: ClassVar[dict[str, type]] = {
-        "sinks": int,
-        "recent": float,
-        "period": int,
-        "queries": int,
-        "decay": float,
-        "prompt": str,
-        "signal": str,
-        "credit": str,
-        "values": int,
-        "pool": int,
-        "keep": str,
-        "adapt": int,
-        "copy": float,
-        "copyweight": float,
-        "copymargin": int,
-        "loop": int,
-    }
+    recent: float = setting("recent", 0.75, option=True)
+    sinks: int = 4
+    period: int = 16
+    queries: int | None = None
+    decay: float = 1.0
+    prompt: str = "score"
+    signal: str = "attention"
+    credit: str = "sum"
+    values: int = 0
+    pool: int = 1
+    keep: str = "head"
+    adapt: int = 0
+    copy: float | None = None
+    copyweight: float = 0.05
+    copymargin: int = DEFAULT_COPY_MARGIN
+    loop: int | None = None
 
-    def __init__(
-        self,
-        budget: int,
-        sinks: int = 4,
-        recent: float = 0.75,
-        period: int = 16,
-        queries: int | None = None,
-        decay: float = 1.0,
-        prompt: str = "score",
-        signal: str = "attention",
-        credit: str = "sum",
-        values: int = 0,
-        pool: int = 1,
-        keep: str = "head",
-        adapt: int = 0,
-        copy: float | None = None,
-        copyweight: float = 0.05,
-        copymargin: int = DEFAULT_COPY_MARGIN,
-        loop: int | None = None,
-    ) -> None:
+    def __post_init__(self) -> None:
+        sinks, recent, period, queries, decay = self.sinks, self.recent, self.period, self.queries, self.decay
+        prompt, signal, credit, values, pool, keep = (
+            self.prompt,
+            self.signal,
+            self.credit,
+            self.values,
+            self.pool,
+            self.keep,
+        )
+        adapt, copy, copyweight, copymargin, loop = self.adapt, self.copy, self.copyweight, self.copymargin, self.loop
         rules = (
             ("sinks", sinks, 0 <= sinks <= MAX_TOKENS, f"a number of tokens from 0 to {MAX_TOKENS}"),
             (
@@ -429,9 +420,28 @@ class EpiKV2(Policy):
                 f"epikv2 keep={keep} scores by attention with credit=sum and pool=1 only; use keep=global for the "
                 "others"
             )
+
+
+class EpiKV2(Policy):
+    """Sinks, a recent share of the budget, then the most attention received from recent queries."""
+
+    name = "epikv2"
+    protects_prompt = False
+    takes_recent = True  # --recent R is its recent option, in tokens
+    #: granular: each step's victims decided from a short list built at each refresh (False: search all K
+    #: every step, the reference the list is tested against)
+    shortlisted: ClassVar[bool] = True
+    Options = EpiKV2Options
+
+    def __init__(self, options: EpiKV2Options | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        o = self.options
+        sinks, period, queries, decay, prompt, signal = o.sinks, o.period, o.queries, o.decay, o.prompt, o.signal
+        credit, values, pool, keep, adapt, copy, loop = o.credit, o.values, o.pool, o.keep, o.adapt, o.copy, o.loop
+        copyweight, copymargin, budget = o.copyweight, o.copymargin, o.budget or 0
+        copies = keep != "global" and not adapt and signal == "attention"
         self.sinks = sinks
-        self.recent_share = recent
-        self.recent = self.recent_for(budget)
+        self.recent_share = o.recent
         self.period = period
         self.decay = decay
         self.keep_prompt = prompt == "keep"
@@ -472,13 +482,6 @@ class EpiKV2(Policy):
 
     def tap_layers(self) -> list[int]:
         return self.epiphany.tap_layers() if self.epiphany is not None else []
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> EpiKV2:
-        options = cls.options_from(settings)
-        if settings.recent is not None:  # settings refuse --recent together with recent=
-            options["recent"] = float(settings.recent)
-        return cls(settings.budget or 0, **options)
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """At the prefill and every ``period`` steps: the stored queries' attention to each live slot,
@@ -587,10 +590,10 @@ class EpiKV2(Policy):
         self._victims = HeadVictims(victims, [])
         return list(slots.release(victims, stored, known))
 
-    def follow_head_moves(self, victims: torch.Tensor, last: int) -> None:
+    def follow(self, moves: Moves) -> None:
         """The listed slots follow the cache's moves (a single sequence's cache moves nothing in the steady state)."""
-        if self._shortlist is not None:
-            self._shortlist.follow(victims, last)
+        if self._shortlist is not None and moves.head_victims is not None:
+            self._shortlist.follow(moves.head_victims, moves.head_last)
 
     def _follow_copies(self, sources: torch.Tensor, weights: torch.Tensor, floor: int, seen: int) -> None:
         """copy=S: a (layer, KV head) whose recent queries read, one step after another, consecutive tokens
@@ -662,11 +665,7 @@ class EpiKV2(Policy):
             self.derived.put(positions, self.received.gather(positions) / self.observed.gather(positions))
         self._stale = True
 
-    def recent_for(self, budget: int) -> int:
-        """The recent window under a budget of ``budget`` tokens (a share of K below 1, else tokens)."""
-        return int(round(self.recent_share * budget)) if self.recent_share < 1 else int(self.recent_share)
-
-    def min_budget(self, prompt_len: int) -> int:
+    def budget_floor(self, prompt_len: int) -> BudgetFloor:
         """Smallest K that holds the sinks, the recent share of K (and the prompt with prompt=keep) and one more.
 
         K - recent(K) never decreases as K grows, so iterating from below reaches the smallest fixed point.
@@ -675,19 +674,16 @@ class EpiKV2(Policy):
         budget = floor
         while budget < (needed := floor + self.recent_for(budget)):
             budget = needed
-        return budget
-
-    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
         if self.recent_share < 1:
             window = (
-                f"{self.recent_share:.0%} of K as its recent window ({self.recent_for(needed)} tokens at K = {needed})"
+                f"{self.recent_share:.0%} of K as its recent window ({self.recent_for(budget)} tokens at K = {budget})"
             )
         else:
-            window = f"a {self.recent_for(needed)}-token recent window"
-        what = f"{self.sinks} sink tokens and {window}"
+            window = f"a {self.recent_for(budget)}-token recent window"
+        keeps = f"{self.sinks} sink tokens and {window}"
         if self.keep_prompt:
-            what += f" and the {prompt_len}-token prompt"
-        return f"--budget {budget} is too small for epikv2, which keeps {what}; use --budget {needed} or more"
+            keeps += f" and the {prompt_len}-token prompt"
+        return BudgetFloor(budget, keeps)
 
     def select(self, cache: CacheView, count: int) -> list[int] | HeadVictims:
         """The ``count`` lowest scores among the evictable tokens (unscored counts as 0; ties: the older).

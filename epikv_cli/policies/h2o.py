@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
-from epikv_cli.policies.base import Policy, Signals, lowest
+from epikv_cli.policies.base import AttentionNeeds, AttentionRecord, BudgetFloor, Policy, PolicyOptions, Signals, lowest
 from epikv_cli.policies.keep_scored import ScoreBook
 
 if TYPE_CHECKING:
@@ -24,28 +22,23 @@ if TYPE_CHECKING:
 SINKS = 4
 
 
+def authors_recent(budget: int) -> int:
+    """``min(128, K - 4)``: the authors' recent window."""
+    return max(0, min(128, budget - SINKS))
+
+
 class H2O(Policy):
     """Accumulated received attention; needs attention weights (computed beside SDPA/flash kernels)."""
 
     name = "h2o"
     protects_prompt = False
-    has_scores = False
     attention_needs = AttentionNeeds(received=True)
-    staged = True
+    default_recent = staticmethod(authors_recent)
 
-    def __init__(self, recent: int, sinks: int = SINKS) -> None:
-        self.recent = recent
-        self.sinks = sinks
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.sinks = SINKS
         self.accumulated = ScoreBook()
-
-    @staticmethod
-    def default_recent(budget: int) -> int:
-        """``min(128, K - 4)``: the authors' recent window."""
-        return max(0, min(128, budget - SINKS))
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> H2O:
-        return cls(recent=cls.recent_from(settings))
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         return [AttentionRecord.layer_mean(signals.attention.received)]  # [stored], slot order
@@ -53,7 +46,7 @@ class H2O(Policy):
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
         self.accumulated.add(signals.cache.live_positions(), values[0])
 
-    def min_budget(self, prompt_len: int) -> int:
+    def budget_floor(self, prompt_len: int) -> BudgetFloor:
         """Smallest K that leaves one evictable entry after a step: K >= sinks + R(K) (and K > sinks).
 
         With the default R = min(128, K - 4) that is 5; below K = 133 no heavy hitter fits, so H2O
@@ -62,13 +55,8 @@ class H2O(Policy):
         budget = self.sinks + 1
         while budget < (needed := self.sinks + self.recent_for(budget)):
             budget = needed
-        return budget
-
-    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return (
-            f"--budget {budget} is too small for h2o, which keeps {self.sinks} sink tokens and a "
-            f"{self.recent_for(budget)}-token recent window; use --budget {needed} or more, or a smaller --recent"
-        )
+        window = f"a {self.recent_for(budget)}-token recent window"
+        return BudgetFloor(budget, f"{self.sinks} sink tokens and {window}", ", or a smaller --recent")
 
     def candidates(self, positions: torch.Tensor, seen: int) -> torch.Tensor:
         """``[n]`` bool: neither a sink nor in the recent window."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from epikv_cli.policies.base import Policy
+from epikv_cli.policies.base import Policy, PolicyOptions
 
 if TYPE_CHECKING:
     from epikv_cli.core.view import CacheView
@@ -111,10 +111,9 @@ class ScoredPolicy(Policy):
     evicted first, and counted in :attr:`nonfinite`, which generation results report.
     """
 
-    has_scores = True
-
-    def __init__(self) -> None:
-        self.book = ScoreBook()
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.book = self.scores = ScoreBook()
         self.nonfinite = 0
         self.candidates = CandidateHeap(unscored=math.inf)
 
@@ -131,6 +130,3 @@ class ScoredPolicy(Policy):
     def report(self) -> dict:
         """``nonfinite_scores``: tokens whose score signal was NaN or infinite (scored 0 instead)."""
         return {"nonfinite_scores": self.nonfinite}
-
-    def score_of(self, position: int) -> float | None:
-        return self.book.get(position)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from epikv_cli.config import CacheSettings
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.keep_scored import ScoredPolicy
 
@@ -19,16 +18,6 @@ class KeyNorm(ScoredPolicy):
     """Evict the largest mean key norm."""
 
     name = "knorm"
-    has_scores = False  # the panel's sparkline is for epiphany scores
-    staged = True
-
-    def __init__(self, recent: int) -> None:
-        super().__init__()
-        self.recent = recent
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> KeyNorm:
-        return cls(recent=cls.recent_from(settings))
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """Minus the appended keys' L2 norms, mean over KV heads and evicting layers: ``[q]`` on the device."""

@@ -25,17 +25,17 @@ give the same scores.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.errors import UsageError
-from epikv_cli.policies.base import Policy, Signals, evictable_mask, lowest
+from epikv_cli.policies.base import Policy, PolicyOptions, Signals, UsageError, evictable_mask, lowest
 from epikv_cli.policies.keep_scored import ScoredPolicy
 
 if TYPE_CHECKING:
-    from epikv_cli.core.view import CacheView
+    from epikv_cli.config import CacheSettings
+    from epikv_cli.core.view import CacheView, Moves
 
 LAG_CHUNK = 128
 LAG_EPS = 1e-9
@@ -91,6 +91,18 @@ def layer_mean(cache: CacheView, start: int = 0, stop: int | None = None) -> tup
     return keys / layers, values / layers
 
 
+@dataclass(frozen=True)
+class LagKVOptions(PolicyOptions):
+    """Lag-KV's option: ``chunks``, what its chunks are made of: ``cache`` (the live slots in logical order, the
+    published rule, rescored at every eviction) or ``positions`` (logical positions, each score frozen at append)."""
+
+    chunks: str = "cache"
+
+    def __post_init__(self) -> None:
+        if self.chunks not in ("cache", "positions"):
+            raise UsageError(f"lagkv option chunks={self.chunks!r}: choose cache (the published rule) or positions")
+
+
 class LagKV(Policy):
     """Lag-KV: scores recomputed from the cached keys and values at every eviction.
 
@@ -99,12 +111,12 @@ class LagKV(Policy):
     """
 
     name = "lagkv"
-    OPTIONS: ClassVar[dict[str, type]] = {"chunks": str}
+    Options = LagKVOptions
 
-    def __init__(self, recent: int, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
-        self.recent = recent
-        self.chunk = chunk
-        self.eps = eps
+    def __init__(self, options: LagKVOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.chunk = LAG_CHUNK
+        self.eps = LAG_EPS
         # [kv_heads, capacity, head_dim] float32 layer means of each live slot's key and value
         self.mean_keys: torch.Tensor | None = None
         self.mean_values: torch.Tensor | None = None
@@ -112,18 +124,15 @@ class LagKV(Policy):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> LagKV | FrozenLagKV:
-        chunks = cls.options_from(settings).get("chunks", "cache")
-        if chunks == "positions":
-            return FrozenLagKV(recent=cls.recent_from(settings))
-        if chunks != "cache":
-            raise UsageError(f"lagkv option chunks={chunks!r}: choose cache (the published rule) or positions")
-        return cls(recent=cls.recent_from(settings))
+        """``chunks=positions`` builds :class:`FrozenLagKV`."""
+        options = LagKVOptions.from_settings(cls.name, settings)
+        return (FrozenLagKV if options.chunks == "positions" else cls)(options)
 
-    def observe(self, signals: Signals) -> None:
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
         """Add the appended tokens' layer-mean keys and values (at their slots) to the buffers."""
         cache, count = signals.cache, len(signals.appended)
         if cache is None or not count:
-            return
+            return []
         slots = signals.new_slots()
         keys, values = layer_mean(cache, slots.start, slots.stop)
         if self.mean_keys is None or slots.stop > self.mean_keys.shape[1]:
@@ -136,6 +145,7 @@ class LagKV(Policy):
         self.mean_keys[:, slots] = keys
         self.mean_values[:, slots] = values
         self.length = max(self.length, slots.stop)
+        return []
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
         """``[stored]`` Lag-KV scores of the live slots, in slot order."""
@@ -155,9 +165,11 @@ class LagKV(Policy):
         candidates = evictable_mask(positions, cache.prompt_len, cache.seen, self.recent)
         return lowest(self.token_scores(cache), positions, candidates, count)
 
-    def follow_moves(self, holes: list[int], movers: list[int]) -> None:
-        index_holes = torch.tensor(holes, device=self.mean_keys.device)
-        index_movers = torch.tensor(movers, device=self.mean_keys.device)
+    def follow(self, moves: Moves) -> None:
+        if not moves.holes:
+            return
+        index_holes = torch.tensor(moves.holes, device=self.mean_keys.device)
+        index_movers = torch.tensor(moves.movers, device=self.mean_keys.device)
         self.mean_keys[:, index_holes] = self.mean_keys[:, index_movers]
         self.mean_values[:, index_holes] = self.mean_values[:, index_movers]
 
@@ -212,18 +224,12 @@ class FrozenLagKV(ScoredPolicy):
     """
 
     name = "lagkv"
-    staged = True
-    has_scores = False  # the panel's sparkline is for epiphany scores
+    Options = LagKVOptions
 
-    def __init__(self, recent: int, chunk: int = LAG_CHUNK, eps: float = LAG_EPS) -> None:
-        super().__init__()
-        self.recent = recent
-        self.keys = LagChunks(chunk, eps)
-        self.values = LagChunks(chunk, eps)
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> FrozenLagKV:
-        return cls(recent=cls.recent_from(settings))
+    def __init__(self, options: LagKVOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.keys = LagChunks(LAG_CHUNK, LAG_EPS)
+        self.values = LagChunks(LAG_CHUNK, LAG_EPS)
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         """``[q]`` scores of the appended tokens on the model's device, from their layer-mean keys and values."""

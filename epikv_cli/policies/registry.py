@@ -6,6 +6,7 @@ checked against its policy (name, budget, recent window, bands, options), before
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from epikv_cli.config import CacheSettings
@@ -61,6 +62,11 @@ def recent_window_policies() -> list[str]:
     return sorted(name for name, cls in POLICIES.items() if cls.takes_recent)
 
 
+def takes_setting(name: str, setting: str) -> bool:
+    """Whether policy ``name``'s options take the cache setting ``setting`` (``bands``: ``--bands``)."""
+    return any(f.metadata.get("setting") == setting for f in dataclasses.fields(POLICIES[name].Options))
+
+
 def check_settings(settings: CacheSettings) -> CacheSettings:
     """``settings``, or :class:`UsageError` for what they ask of their policy that it cannot do: an unknown
     name, no budget for a policy that evicts, a recent window or bands it does not take, options it refuses."""
@@ -74,16 +80,14 @@ def check_settings(settings: CacheSettings) -> CacheSettings:
             f"--recent does not apply to policy {settings.policy!r} (it keeps no separate recent window); "
             f"drop --recent or choose one of: {', '.join(recent_window_policies())}"
         )
-    if settings.bands is not None and settings.policy != "epikv":
-        raise UsageError(f"--bands only applies to policy 'epikv', not {settings.policy!r}")
-    if settings.options or settings.recent is not None:
-        cls.from_settings(settings)  # unknown, malformed or out-of-range options fail here, before any model loads
+    if settings.bands is not None and not takes_setting(settings.policy, "bands"):
+        takers = " or ".join(repr(name) for name in sorted(POLICIES) if takes_setting(name, "bands"))
+        raise UsageError(f"--bands only applies to policy {takers}, not {settings.policy!r}")
+    cls.Options.from_settings(cls.name, settings)  # unknown, malformed or out-of-range options fail here
     return settings
 
 
 def make_policy(settings: CacheSettings) -> Policy:
     """The policy named by ``settings.policy``, configured from ``settings``."""
     check_settings(settings)
-    policy = POLICIES[settings.policy].from_settings(settings)
-    policy.recent_follows_budget = policy.takes_recent and settings.recent is None
-    return policy
+    return POLICIES[settings.policy].from_settings(settings)

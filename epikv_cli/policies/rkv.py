@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.core.attention import AttentionNeeds
-from epikv_cli.policies.base import Policy
+from epikv_cli.policies.base import AttentionNeeds, BudgetFloor, Policy, PolicyOptions, Signals
 
 if TYPE_CHECKING:
     from epikv_cli.core.view import CacheView
@@ -80,31 +78,23 @@ class RKV(Policy):
     attention_needs = AttentionNeeds(queries=WINDOW)
     slack = BUFFER
 
-    def __init__(self, window: int = WINDOW, buffer: int = BUFFER, mix: float = MIX_LAMBDA) -> None:
-        self.window = window
-        self.buffer = buffer
-        self.mix = mix
-        self.queries = None  # the attention record's query store, set by observe
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
+        self.window = WINDOW
+        self.buffer = BUFFER
+        self.mix = MIX_LAMBDA
+        self.queries = None  # the attention record's query store, set by stage
         self.scaling: dict[int, float] = {}  # layer -> its kernel's softmax scale
 
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> RKV:
-        return cls()
-
-    def observe(self, signals) -> None:
+    def stage(self, signals: Signals) -> list[torch.Tensor]:
         self.queries = signals.attention.queries
         self.scaling = signals.attention.scaling
+        return []
 
-    def min_budget(self, prompt_len: int) -> int:
-        return self.window + 1
+    def budget_floor(self, prompt_len: int) -> BudgetFloor:
+        return BudgetFloor(self.window + 1, f"its last {self.window} tokens")
 
-    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return (
-            f"--budget {budget} is too small for rkv, which always keeps its last {self.window} tokens; use "
-            f"--budget {needed} or more"
-        )
-
-    def scores(self, cache: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_scores(self, cache: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
         """``(order, score)``: live slots in logical order and the ``[n - window]`` scores of all but the last
         window.
         """
@@ -123,6 +113,6 @@ class RKV(Policy):
         """Nothing until K + 128 entries are stored; then back to K at once."""
         if count < self.buffer:
             return []
-        order, score = self.scores(cache)
+        order, score = self.token_scores(cache)
         drop = torch.argsort(score, stable=True)[:count]
         return order[drop].tolist()

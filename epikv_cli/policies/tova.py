@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from epikv_cli.config import CacheSettings
-from epikv_cli.core.attention import AttentionNeeds, AttentionRecord
-from epikv_cli.policies.base import Policy, Signals, lowest
+from epikv_cli.policies.base import AttentionNeeds, AttentionRecord, BudgetFloor, Policy, PolicyOptions, Signals, lowest
 
 if TYPE_CHECKING:
     from epikv_cli.core.view import CacheView
@@ -26,14 +24,10 @@ class TOVA(Policy):
     protects_prompt = False
     takes_recent = False
     attention_needs = AttentionNeeds(last_row=True)
-    staged = True
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None, **values: object) -> None:
+        super().__init__(options, **values)
         self.current: torch.Tensor | None = None  # [stored] slot order, from the latest forward
-
-    @classmethod
-    def from_settings(cls, settings: CacheSettings) -> TOVA:
-        return cls()
 
     def stage(self, signals: Signals) -> list[torch.Tensor]:
         return [AttentionRecord.layer_mean(signals.attention.last_row)]  # [stored], slot order
@@ -41,14 +35,8 @@ class TOVA(Policy):
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
         self.current = values[0]
 
-    def min_budget(self, prompt_len: int) -> int:
-        return 2
-
-    def budget_advice(self, prompt_len: int, budget: int, needed: int) -> str:
-        return (
-            f"--budget {budget} is too small for tova, which keeps the newest token and at least one other; use "
-            f"--budget {needed} or more"
-        )
+    def budget_floor(self, prompt_len: int) -> BudgetFloor:
+        return BudgetFloor(2, "the newest token and at least one other")
 
     def select(self, cache: CacheView, count: int) -> list[int]:
         positions = cache.live_positions()

@@ -24,7 +24,7 @@ from epikv_cli.core.keepsets import HeadVictims
 from epikv_cli.core.rows import FULL, SLIDING, RowsCache, RowView
 from epikv_cli.core.scratch import ScratchHold
 from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
-from epikv_cli.core.view import Victims
+from epikv_cli.core.view import Moves, Victims
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
@@ -64,13 +64,10 @@ class BatchDecoder:
         self.cache = RowsCache(model.config)
         self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
-        layers = len(decoder_blocks(model))
-        calibration = getattr(model, "epikv_calibration", None)
-        probes = []
-        for setting in settings:
-            policy = make_policy(setting)
-            policy.setup(layers, calibration)
-            probes.append(policy)
+        #: the policies of the rows to come, one per settings given, built now to declare what they read (taps,
+        #: attention); each goes to the first row with its settings (:meth:`_policy_for`)
+        self._unused = [(setting, self._new_policy(setting)) for setting in settings]
+        probes = [policy for _, policy in self._unused]
         self.taps = HiddenStateTaps(model, sorted({layer for p in probes for layer in p.tap_layers()}))
         self.taps.active = False
         self.needs = union_needs([p.attention_needs for p in probes])
@@ -84,6 +81,19 @@ class BatchDecoder:
         self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
         self._scratch = ScratchHold()
 
+    def _new_policy(self, settings: CacheSettings) -> Policy:
+        policy = make_policy(settings)
+        policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
+        return policy
+
+    def _policy_for(self, settings: CacheSettings) -> Policy:
+        """A new row's policy: the unused one built for ``settings``, else a new one."""
+        for index, (setting, policy) in enumerate(self._unused):
+            if setting == settings:
+                del self._unused[index]
+                return policy
+        return self._new_policy(settings)
+
     @property
     def batch(self) -> int:
         return self.cache.batch
@@ -93,14 +103,14 @@ class BatchDecoder:
 
     def add(self, ids: torch.Tensor, settings: CacheSettings, max_tokens: int | None = None) -> torch.Tensor:
         """Prefill ``ids`` ``[1, n]`` alone under ``settings`` and join the batch; return the ``[vocab]`` logits."""
-        stream = CacheStream(self.model, settings, max_tokens=max_tokens)
+        stream = CacheStream(self.model, settings, max_tokens=max_tokens, policy=self._policy_for(settings))
         try:
             logits = stream.feed(ids)
             policy = stream.session.policy
             needs = policy.attention_needs
             closed = stream.cache.close_vacant_heads()  # rows move entries at once: no slot may wait for a token
             if closed is not None:
-                policy.follow_head_moves(*closed)
+                follow(policy, Moves(head_victims=closed[0], head_last=closed[1]))
             self.cache.adopt(stream.cache, settings.positions == "compressed", needs.queries if needs else 0)
             self.policies.append(policy)
             self.cache.rows[-1].last_evicted = list(stream.session.last.evicted)  # what the prefill itself evicted
@@ -195,13 +205,10 @@ class BatchDecoder:
         self._set_taps(False)
         if self.attention is not None:
             self.attention.query_valid = None
-        layers = len(decoder_blocks(self.model))
-        calibration = getattr(self.model, "epikv_calibration", None)
         length = self.cache.prefill_length
         policies = []
         for setting, pad in zip(settings, self._pads):
-            policy = make_policy(setting)
-            policy.setup(layers, calibration)
+            policy = self._policy_for(setting)
             policy.check_budget(length - pad, setting.budget if policy.evicts else None)
             policies.append(policy)
         queries = [p.attention_needs.queries if p.attention_needs else 0 for p in policies]
@@ -261,7 +268,7 @@ class BatchDecoder:
                 plans[SLIDING].append((index, [oldest]))
         self._pending = []
         for index, (holes, movers) in self.cache.evict(plans).items():
-            follow(self.policies[index], holes, movers)
+            follow(self.policies[index], Moves(holes, movers))
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), e.g. after sequences finished."""

@@ -261,7 +261,7 @@ class Generation:
         self.policy = make_policy(cache)
         self._policy_used = False
         #: whether the policy gives each token a frozen score (the panel's sparkline)
-        self.policy_has_scores = self.policy.has_scores
+        self.policy_has_scores = self.policy.spikes
         #: whether each KV head keeps its own set (a position leaves the model only when every head dropped it)
         self.policy_per_head = self.policy.granular
         #: EpiKV's bands and where they came from, e.g. "9:+1, 20:-1 (default ...)"; set when generation starts

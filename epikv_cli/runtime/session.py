@@ -24,6 +24,7 @@ from epikv_cli.core.cache import BudgetCache
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.scratch import ScratchHold
 from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
+from epikv_cli.core.view import Moves
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
@@ -144,7 +145,7 @@ class EpiKVSession:
             )
         self._fresh = False
         for victims, last in self.cache.closed_vacancies:  # moves the forward made before writing
-            self.policy.follow_head_moves(victims, last)
+            follow(self.policy, Moves(head_victims=victims, head_last=last))
         self.cache.closed_vacancies.clear()
         record = self.attention.record if self.attention is not None else None
         row = record.row(0, self.cache.stored) if record is not None else None
@@ -170,7 +171,7 @@ class EpiKVSession:
         self.cache.peak_stored = max(self.cache.peak_stored, self.cache.stored)  # the in-step peak: K + 1
         victims = choose(self.policy, observed, values, self.cache)
         evicted = self.cache.evict(victims)
-        follow(self.policy, evicted.holes, evicted.movers)
+        follow(self.policy, Moves(evicted.holes, evicted.movers))
         self.last = ForwardRecord(observed.signals.appended, evicted.positions)
 
     # -- lifetime -------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ class CacheStream:
     Close it (or use it as a context manager) to remove its hooks.
     """
 
-    def __init__(self, model, settings: CacheSettings, max_tokens: int | None = None) -> None:
+    def __init__(self, model, settings: CacheSettings, max_tokens: int | None = None, policy=None) -> None:
         self.model = model
-        self.session = EpiKVSession(model, settings, max_tokens=max_tokens)
+        self.session = EpiKVSession(model, settings, max_tokens=max_tokens, policy=policy)
         self.device = input_device(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
