@@ -26,7 +26,7 @@ demo: venv
 # Lint (ruff, and import-linter's layer contracts in pyproject.toml), then the suite on every core.
 test: lint
 	$(BIN)/python -m epikv_cli.models.demo
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 lint: venv
 	$(BIN)/ruff check epikv_cli tests benchmarks

@@ -345,7 +345,7 @@ def test_search_doubles_then_bisects_to_the_resolution():
 
 
 def save_probe_model(path, tokenizer) -> None:
-    """A 4-layer Llama with an 8192-token context, saved with its tokenizer, for real max-context probes."""
+    """A 4-layer Llama with a 4096-token context, saved with its tokenizer, for real max-context probes."""
     config = LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -353,7 +353,7 @@ def save_probe_model(path, tokenizer) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=272,
-        max_position_embeddings=8192,
+        max_position_embeddings=4096,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -367,9 +367,9 @@ def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
     assert result.exit_code == 0, result.stderr
     rows = {r["policy"]: r for r in json.loads(result.stdout)["results"]}
     assert rows["h2o"]["kernel"] == "eager" and rows["epikv"]["kernel"] == "sdpa"
-    assert rows["epikv"]["reached_model_limit"] and rows["epikv"]["max_prompt_tokens"] == 8192
+    assert rows["epikv"]["reached_model_limit"] and rows["epikv"]["max_prompt_tokens"] == 4096
     assert 512 <= rows["h2o"]["max_prompt_tokens"] < 4096 and not rows["h2o"]["reached_model_limit"]
-    assert rows["epikv"]["ratio"] == pytest.approx(8192 / rows["h2o"]["max_prompt_tokens"], abs=1e-3)
+    assert rows["epikv"]["ratio"] == pytest.approx(4096 / rows["h2o"]["max_prompt_tokens"], abs=1e-3)
     assert all(p["ok"] == (p["peak_memory_bytes"] <= 700 * 2**20 and p["error"] is None) for p in rows["h2o"]["probes"])
 
 
