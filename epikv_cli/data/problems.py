@@ -101,7 +101,7 @@ def load_problems(
         raise no_prompts(source)
     if not jsonl:
         return [Problem(n, n, prompt=line) for n, line in numbered]
-    problems = []
+    problems: list[Problem] = []
     for number, line in numbered:
         try:
             data = json.loads(line)
@@ -110,7 +110,21 @@ def load_problems(
         if not isinstance(data, dict):
             raise UsageError(f"{source}:{number}: a JSONL line must be an object")
         problems.append(_problem(number, data, field, answer_field, source))
+    refuse_duplicate_ids(str(source), problems)
     return problems
+
+
+def refuse_duplicate_ids(source: str, problems: list[Problem]) -> None:
+    """:class:`UsageError` when two problems share an id (``--resume`` skips by id: one would never run)."""
+    first: dict[str, int] = {}
+    for problem in problems:
+        key = json.dumps(problem.id, sort_keys=True)
+        if key in first:
+            raise UsageError(
+                f"{source}: lines {first[key]} and {problem.line} have the same id {json.dumps(problem.id)}; "
+                "give every prompt its own id (ids decide what --resume skips)"
+            )
+        first[key] = problem.line
 
 
 def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> list[Problem]:
@@ -131,11 +145,13 @@ def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> li
             "give a local file with --dataset PATH"
         ) from None
     stop = None if limit is None else offset + limit
-    return [
+    problems = [
         Problem(row.get("id", row.get("unique_id", i)), i + 1, prompt=row[question], answer=_answer(row.get("answer")))
         for i, row in enumerate(rows)
         if i >= offset and (stop is None or i < stop)
     ]
+    refuse_duplicate_ids(repository, problems)
+    return problems
 
 
 def protocol_ids(tokenizer, problem: Problem, system: str | None = PROTOCOL_SYSTEM) -> torch.Tensor:
