@@ -112,6 +112,30 @@ def test_bad_input_before_loading(args, needles):
     assert_one_line_usage_error(invoke("generate", *args), *needles)
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("spelling", ["--policy-option", "--policies"])
+def test_an_option_a_policy_does_not_have_is_refused(policy, spelling, tmp_path):
+    """An option that would do nothing is refused, naming the policy's options (or none), before any model loads;
+    fidelity would otherwise label its rows with it."""
+    known = ", ".join(POLICIES[policy].Options.option_names()) or "none"
+    if spelling == "--policy-option":
+        result = invoke("generate", "--model", "/no/such/model", "-p", policy, "--policy-option", "foo=1", "hi")
+    else:
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("hi\n")
+        result = invoke(
+            "fidelity", "--model", "/no/such/model", "--prompts", str(prompts), "--policies", f"{policy}:foo=1"
+        )
+    assert_one_line_usage_error(result, f"policy {policy!r} has no option 'foo' (its options: {known})")
+
+
+def test_a_policy_spec_given_to_policy_points_to_its_spelling():
+    result = invoke("generate", "-p", "epikv2:period=32:decay=0.9", "hi")
+    assert_one_line_usage_error(
+        result, "--policy epikv2 --policy-option period=32 --policy-option decay=0.9", "--policy takes a policy name"
+    )
+
+
 def test_typers_pydantic_prefix_is_not_shown():
     result = invoke("generate", "--policy", "foo", "hi")
     assert_one_line_usage_error(result, "Invalid value for '--policy' / '-p': 'foo' is not one of 'epikv', 'epikv2'")

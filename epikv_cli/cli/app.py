@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -322,7 +323,7 @@ class EpikvGroup(TyperGroup):
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
             # Typer validates through pydantic, whose messages carry a "Value error, " prefix: not for users
             message = error.format_message().replace("\n", " ").replace("Value error, ", "")
-            _fail(message + hint, error.exit_code)
+            _fail(_spelling(error, message) or message + hint, error.exit_code)
         except typer.Abort:
             _flush_stdout()
             print("epikv: interrupted; nothing was generated", file=sys.stderr)
@@ -344,6 +345,16 @@ class EpikvGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _spelling(error: ClickException, message: str) -> str | None:
+    """For ``--policy NAME:KEY=VALUE`` (the spelling of ``--policies``), the spelling ``--policy`` takes."""
+    spec = re.search(r"'([^' ]+:[^' ]*)' is not one of", message)
+    if getattr(getattr(error, "param", None), "name", None) != "policy" or spec is None:
+        return None
+    name, *options = spec.group(1).split(":")
+    given = " ".join(f"--policy-option {option}" for option in options if option)
+    return f"--policy takes a policy name, and its options go one by one: --policy {name} {given}".rstrip()
 
 
 app = typer.Typer(
