@@ -6,6 +6,9 @@ import functools
 import os
 import re
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -48,6 +51,7 @@ from epikv_cli.errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     NO_SPACE,
+    EpikvWarning,
     ModelLoadError,
     UsageError,
     WriteError,
@@ -131,7 +135,11 @@ CALIBRATE_EXAMPLES = (
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
     ("EPIKV_MODEL", "default for --model"),
-    ("EPIKV_CACHE_DIR", "where the demo model is kept (default $XDG_CACHE_HOME/epikv, else ~/.cache/epikv)"),
+    (
+        "EPIKV_CACHE_DIR",
+        "where the demo model and each model's calibrated bands (bands/) are kept (default $XDG_CACHE_HOME/epikv, "
+        "else ~/.cache/epikv)",
+    ),
     ("XDG_CACHE_HOME", "base of the default cache directory"),
     ("HF_HUB_OFFLINE", "set to 1 to load Hub ids from the local Hugging Face cache only"),
     ("HF_HOME", "the Hugging Face cache used for Hub ids"),
@@ -224,6 +232,24 @@ CompileOption = Annotated[
 ]
 
 
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """While a command runs, every :class:`EpikvWarning` is one ``epikv: warning:`` line on stderr (each time it
+    happens: a warning per prompt of a batch), whatever ``--quiet`` says; other warnings are left as they are."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, EpikvWarning):
+            print(f"epikv: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", EpikvWarning)
+        warnings.showwarning = show
+        yield
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr, then exit."""
     _flush_stdout()
@@ -290,7 +316,7 @@ class EpikvGroup(TyperGroup):
     """
 
     def format_help(self, ctx, formatter) -> None:
-        formatter.write(render_help(ctx, self))
+        formatter.write(render_help(ctx, self, ENVIRONMENT))
 
     def make_context(self, *args, **kwargs):  # parsing runs the eager options: --help, --version
         try:
@@ -309,9 +335,10 @@ class EpikvGroup(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             try:
-                code = super().main(
-                    args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
-                )
+                with _warnings_as_lines():
+                    code = super().main(
+                        args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
+                    )
             except NoArgsIsHelpError as shown:
                 with writing("stdout"):
                     print(shown.format_message())
@@ -946,7 +973,11 @@ def calibrate(
         bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
     ] = False,
 ) -> int:
-    """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands."""
+    """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands.
+
+    The bands go to $EPIKV_CACHE_DIR/bands/ (default ~/.cache/epikv/bands/), one file per model, and generate, eval,
+    fidelity and profile use them for --policy epikv until --bands overrides them.
+    """
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)
     problems = load_problems(prompts, field=field, limit=limit, offset=offset)
     code = calibrate_command(model_settings, problems, new_tokens, json_output=json_output, quiet=quiet)

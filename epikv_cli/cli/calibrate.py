@@ -4,6 +4,7 @@ per-layer table or one JSON object."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict
 
@@ -30,6 +31,8 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
                 json.dumps({**asdict(calibration), "note": note, "seconds": round(time.perf_counter() - started, 1)}),
                 flush=True,
             )
+        if note:
+            print(f"epikv: warning: {note}", file=sys.stderr, flush=True)
     else:
         with writing("stdout"):
             wide_console().print(
@@ -38,10 +41,11 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
                     calibration.bands,
                     f"{calibration.model}: Spearman ρ of each layer's smoothed change with window importance "
                     f"({calibration.windows} windows)",
+                    calibration.path,
                 )
             )
         if note:
-            err.print(f"note: {note}")
+            print(f"epikv: warning: {note}", file=sys.stderr, flush=True)
         err.print(
             f"bands {','.join(f'{layer}:{sign:+.0f}' for layer, sign in calibration.bands)} saved to "
             f"{calibration.path}; generate, eval, fidelity and profile use them for --policy epikv (--bands overrides)"

@@ -136,8 +136,12 @@ def run_generate(
             device = input_device(loaded.model)
             live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
 
+        first = True
         with live or nullcontext():
             for event in generation:
+                if first and str(generation.policy.report().get("bands_source", "")).startswith("calibrated"):
+                    note(f"EpiKV bands {generation.bands_description}")  # "9:+1, 20:-1 (calibrated (<file>))"
+                first = False
                 if stream_text and event.text:
                     emit(event.text)
                 if live is not None:

@@ -392,10 +392,18 @@ def status_line(console: Console, quiet: bool = False):
     return console.status("…") if console.is_terminal and not quiet else _NoStatus()
 
 
-def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: str) -> Table:
-    """``epikv calibrate``: Spearman correlation per layer, chosen bands marked."""
+def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: str, saved: str) -> Table:
+    """``epikv calibrate``: Spearman correlation per layer, chosen bands marked, and where they were saved."""
     chosen = dict(bands)
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption=f"bands saved to {saved}",
+        caption_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for name in ("layer", "ρ", "", "band"):
         table.add_column(name, justify="right" if name != "" else "left", no_wrap=True)
     scale = max((abs(r) for r in rho), default=1.0) or 1.0

@@ -127,6 +127,11 @@ def calibrate(
     return [spearman(list(values), labels) for values in per_layer], len(labels)
 
 
+#: Fewer windows than this and a layer's ρ is mostly chance (its standard error is about 1 / sqrt(windows - 1)):
+#: calibrate says so.
+MIN_WINDOWS = 30
+
+
 def choose_bands(rho: list[float]) -> tuple[list[tuple[int, float]], str | None]:
     """The most positive layer as the +1 band and the most negative as the -1 band, and a note when
     the pattern differs from the paper's (positive below, negative in the upper middle)."""
@@ -168,6 +173,12 @@ def calibrate_bands(loaded, problems: list[Problem], new_tokens: int, advance=la
     prompts_ids = [protocol_ids(loaded.tokenizer, problem) for problem in problems]
     rho, windows = calibrate(loaded.model, prompts_ids, new_tokens, advance)
     bands, note = choose_bands(rho)
+    if windows < MIN_WINDOWS:
+        few = (
+            f"the correlations rest on only {windows} windows, where |ρ| of 0.8 arises by chance: these bands are "
+            f"noise; calibrate on more prompts or a larger --new-tokens (at least {MIN_WINDOWS} windows)"
+        )
+        note = f"{few}; {note}" if note else few
     key = model_key(loaded.source)
     calibration = Calibration(key, bands, [round(r, 4) for r in rho], windows, len(problems), new_tokens)
     calibration.path = str(save_calibration(calibration, key))
