@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
 from epikv_cli.cli.entry import STARTUP_INTERRUPTED
+from epikv_cli.cli.generate import LONG_PROMPT
 from epikv_cli.core.cache import HEADROOM
 from epikv_cli.policies.registry import POLICIES
 from epikv_cli.runtime import generation as engine
@@ -134,6 +135,22 @@ def test_a_policy_spec_given_to_policy_points_to_its_spelling():
     assert_one_line_usage_error(
         result, "--policy epikv2 --policy-option period=32 --policy-option decay=0.9", "--policy takes a policy name"
     )
+
+
+def test_a_prompt_beyond_the_models_context_is_said_and_a_long_prefill_too(tiny_model_dir):
+    """The tiny model was trained on 1024 positions: a longer prompt runs, with one warning saying so; a prompt of
+    LONG_PROMPT tokens or more is announced before its prefill (which can take minutes on a real model)."""
+    over = invoke("generate", "--model", str(tiny_model_dir), "-n", "2", "--no-chat-template", "x" * 1100)
+    assert over.exit_code == 0, over.stderr
+    warnings = [line for line in over.stderr.splitlines() if line.startswith("epikv: warning:")]
+    assert warnings == [
+        "epikv: warning: the prompt has 1100 tokens, more than the model's context of 1024 (max_position_embeddings): "
+        "it runs, but the model was not trained on positions beyond it"
+    ]
+    assert "prefilling" not in over.stderr
+    long = invoke("generate", "--model", str(tiny_model_dir), "-n", "2", "--no-chat-template", "x" * LONG_PROMPT)
+    assert long.exit_code == 0, long.stderr
+    assert f"epikv: prefilling the {LONG_PROMPT}-token prompt; the first new token comes after it" in long.stderr
 
 
 def test_typers_pydantic_prefix_is_not_shown():

@@ -243,6 +243,8 @@ def test_table_output(tiny_model_dir):
         (["--policies", "epikv,epikv"], ["lists a policy twice"]),
         (["--policies", "full,,epikv"], ["--policies 'full,,epikv' has an empty item"]),
         (["--policies", ""], ["--policies is empty"]),  # not the default set
+        (["--prompt-tokens", "100000000"], ["go beyond the model's context of 1024 tokens", "--prompt-tokens 512"]),
+        (["--prompt-tokens", "99999999999999999999"], ["--prompt-tokens and --new-tokens must be at most 2147483647"]),
         (["--max-context", "--memory-limit", "1GiB", "--policies", ""], ["--policies is empty"]),
         (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
         (["--repeats", "0"], ["--repeats must be at least 1"]),

@@ -234,8 +234,9 @@ CompileOption = Annotated[
 
 @contextmanager
 def _warnings_as_lines() -> Iterator[None]:
-    """While a command runs, every :class:`EpikvWarning` is one ``epikv: warning:`` line on stderr (each time it
-    happens: a warning per prompt of a batch), whatever ``--quiet`` says; other warnings are left as they are."""
+    """While a command runs, every :class:`EpikvWarning` is one ``epikv: warning:`` line on stderr (once per distinct
+    message: one per prompt of a batch, not one per policy replaying it), whatever ``--quiet`` says; other warnings
+    are left as they are."""
     previous = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
@@ -245,7 +246,7 @@ def _warnings_as_lines() -> Iterator[None]:
             previous(message, category, filename, lineno, file, line)
 
     with warnings.catch_warnings():
-        warnings.simplefilter("always", EpikvWarning)
+        warnings.simplefilter("default", EpikvWarning)
         warnings.showwarning = show
         yield
 

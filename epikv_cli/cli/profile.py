@@ -25,6 +25,7 @@ def profile_command(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     settings.check_budgets()  # before the model loads
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
+    settings.check_context(loaded.model)
     ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, prompt_file)
     total = len(settings.runs) * (settings.repeats + 1)
     with progress_bar(err, disable=quiet, transient=True) as progress:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.config import ATTN_CHOICES, CacheSettings, SamplingSettings, list_items
+from epikv_cli.config import ATTN_CHOICES, MAX_TOKENS, CacheSettings, SamplingSettings, list_items
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.errors import UsageError
@@ -31,7 +31,7 @@ from epikv_cli.policies.registry import (
 )
 from epikv_cli.runtime.batched import BatchDecoder
 from epikv_cli.runtime.generation import Generation
-from epikv_cli.runtime.stream import input_device
+from epikv_cli.runtime.stream import context_length, input_device
 
 MIN_NEW_TOKENS = 8
 WARMUP_TOKENS = 8
@@ -93,6 +93,11 @@ class ProfileSettings:
             )
         if self.prompt_tokens < 1:
             raise UsageError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.prompt_tokens > MAX_TOKENS or self.new_tokens > MAX_TOKENS:
+            raise UsageError(
+                f"--prompt-tokens and --new-tokens must be at most {MAX_TOKENS}, got {self.prompt_tokens} and "
+                f"{self.new_tokens}"
+            )
         if self.budget < 1:
             raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
         for run in self.runs:  # each policy's options, before any model loads
@@ -110,6 +115,17 @@ class ProfileSettings:
         return check_settings(
             CacheSettings(budget=self.budget if evicts(run.policy) else None, policy=run.policy, options=run.options)
         )
+
+    def check_context(self, model) -> None:
+        """The prompt and the new tokens must fit the model's context (profiling positions it was never trained on
+        measures nothing a user would run, and a huge prompt only fails to allocate)."""
+        limit = context_length(model)
+        if limit is not None and self.prompt_tokens + self.new_tokens > limit:
+            raise UsageError(
+                f"--prompt-tokens {self.prompt_tokens} and --new-tokens {self.new_tokens} go beyond the model's "
+                f"context of {limit} tokens (max_position_embeddings); give --prompt-tokens "
+                f"{max(1, limit - self.new_tokens)} or fewer"
+            )
 
     def check_budgets(self) -> None:
         """Every policy must accept this budget for this prompt, before anything runs."""

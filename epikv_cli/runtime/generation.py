@@ -30,7 +30,7 @@ from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.registry import make_policy
 from epikv_cli.runtime.session import EpiKVSession
-from epikv_cli.runtime.stream import forward_step, input_device
+from epikv_cli.runtime.stream import forward_step, input_device, warn_beyond_context
 from epikv_cli.runtime.textstream import IncrementalDetokenizer
 
 
@@ -251,6 +251,7 @@ class Generation:
                 "for a batch, use epikv_cli.attach(model, ..., batch_size=N) with model.generate"
             )
         self.input_ids = input_ids
+        warn_beyond_context(model, input_ids.shape[1])
         self.cache_settings = cache
         self.sampling = sampling
         self.result: GenerationResult | None = None
