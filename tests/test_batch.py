@@ -482,6 +482,15 @@ def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_
 
     assert strip(records(four)) == strip(records(one))
     assert [r["stats"]["generated_tokens"] for r in records(four) if r["stats"]] == [6, 11, 16, 21, 26]
+    # per-phase memory is a row's own alone; in a batch the phases of the rows overlap: null, not 0
+    for alone, batched in zip(records(one), records(four)):
+        if alone["stats"]:
+            stats = alone["stats"]
+            assert stats["peak_memory_bytes"] == max(
+                stats["prefill_peak_memory_bytes"], stats["decode_peak_memory_bytes"]
+            )
+            assert batched["stats"]["prefill_peak_memory_bytes"] is None
+            assert batched["stats"]["decode_peak_memory_bytes"] is None
 
 
 def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_dir, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
 from epikv_cli.errors import UsageError
+from epikv_cli.experiments import calibrate as calibrate_module
 from epikv_cli.experiments.calibrate import (
     MIN_WINDOWS,
     STRIDE,
@@ -133,3 +134,33 @@ def test_too_few_tokens_for_a_window(tiny_model_dir, tmp_path):
     prompts.write_text("hello\n")
     result = runner.invoke(app, ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "40"])
     assert result.exit_code == 2 and "--new-tokens must be at least 48" in result.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_what_the_finished_prompts_say_and_saves_nothing(tiny_model_dir, tmp_path, monkeypatch, as_json):
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    real = calibrate_module.trace
+    calls = {"n": 0}
+
+    def interrupted_at_the_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "trace", interrupted_at_the_third)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The first prompt.\nA second one, longer than the first.\nA third.\n")
+    args = ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "64", "-q"]
+    result = runner.invoke(app, [*args, *(["--json"] if as_json else [])])
+    assert result.exit_code == 130, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "epikv: interrupted after 2 of 3 prompts; these bands were not saved"
+    )
+    assert not (tmp_path / "bands").exists()
+    if as_json:
+        data = json.loads(result.stdout)
+        assert data["prompts"] == 2 and data["path"] is None
+        assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE))
+    else:
+        assert "nowhere (interrupted)" in " ".join(result.stdout.split())

@@ -273,11 +273,14 @@ class PolicyReport:
     ratio_prefill_seconds: float = 1.0
     ratio_kv_cache_bytes: float = 1.0
     ratio_decode_peak_memory_bytes: float = 1.0
+    #: how many measured runs the medians are over (fewer than --repeats after Ctrl-C)
+    runs: int = 0
 
     @classmethod
     def from_runs(cls, label: str, runs: list[RunMeasure]) -> PolicyReport:
         speeds = [r.decode_tokens_per_s for r in runs]
         return cls(
+            runs=len(runs),
             policy=label,
             prefill_seconds=round(statistics.median(r.prefill_seconds for r in runs), 6),
             decode_tokens_per_s=round(statistics.median(speeds), 3),
@@ -305,9 +308,16 @@ class PolicyReport:
 
 
 def run_profile(
-    model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, advance=lambda label: None
+    model,
+    tokenizer,
+    settings: ProfileSettings,
+    ids: torch.Tensor,
+    advance=lambda label: None,
+    measured: dict[str, list[RunMeasure]] | None = None,
 ) -> list[PolicyReport]:
-    """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run."""
+    """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run.
+    ``measured`` (label -> runs) gathers the runs as they finish, for a caller that is interrupted
+    (:func:`reports_of`)."""
     settings.check_budgets()
     for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
         measure(
@@ -320,14 +330,20 @@ def run_profile(
             settings.batch_size,
         )
         advance(f"warm-up {run.label}")
-    measured: dict[str, list[RunMeasure]] = {run.label: [] for run in settings.runs}
+    measured = measured if measured is not None else {}
+    measured.update({run.label: [] for run in settings.runs})
     for _ in range(settings.repeats):
         for run in settings.runs:
             measured[run.label].append(
                 measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size)
             )
             advance(run.label)
-    reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items()]
+    return reports_of(measured)
+
+
+def reports_of(measured: dict[str, list[RunMeasure]]) -> list[PolicyReport]:
+    """One report per policy with at least one finished run (medians over them), ratios to the first."""
+    reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items() if runs]
     for report in reports:
         report.relative_to(reports[0])
     return reports

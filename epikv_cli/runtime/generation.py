@@ -92,8 +92,10 @@ class GenerationResult:
     peak_memory_bytes: int
     peak_memory_kind: str
     kv_cache_bytes: int
-    prefill_peak_memory_bytes: int = 0
-    decode_peak_memory_bytes: int = 0
+    #: each phase's own peak; None for a row of a batch, whose phases overlap other rows' (its
+    #: ``peak_memory_bytes`` is then the batch's peak while it ran)
+    prefill_peak_memory_bytes: int | None = None
+    decode_peak_memory_bytes: int | None = None
     token_ids: list[int] = field(repr=False, default_factory=list)
     policy_report: dict = field(default_factory=dict)
 
