@@ -112,3 +112,16 @@ def test_install_completion_still_works(tmp_path):
     env.update({"_EPIKV_COMPLETE": "complete_bash", "COMP_WORDS": "epikv generate --budg", "COMP_CWORD": "2"})
     done = subprocess.run([epikv], env=env, capture_output=True, text=True)
     assert done.stdout.split() == ["--budget"]
+
+
+def test_no_user_facing_text_points_to_this_projects_data_directory():
+    """`../shared/data/` is where this project keeps its datasets, not a path in a user's clone: the README, the CLI
+    reference, the man page and every --help show paths a user can have."""
+    from typer.testing import CliRunner
+
+    from epikv_cli.cli.app import app
+
+    texts = {name: (ROOT / name).read_text() for name in ("README.md", "docs/cli.md", "man/epikv.1")}
+    for command in ("generate", "profile", "fidelity", "eval", "calibrate"):
+        texts[f"{command} --help"] = CliRunner().invoke(app, [command, "--help"]).stdout
+    assert [name for name, text in texts.items() if "shared/data" in text] == []

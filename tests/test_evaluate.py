@@ -134,7 +134,10 @@ def test_eval_end_to_end_with_scripted_answers(tiny_model_dir, tmp_path, monkeyp
         (["--dataset", "DATA", "--answer-field", "solution"], "no 'solution' field"),
         (["--dataset", "DATA", "--limit", "0"], "--limit must be at least 1"),
         (["--dataset", "DATA", "--budgets", "+x"], "is not a budget"),
-        (["--dataset", "/no/such.jsonl"], "--dataset /no/such.jsonl: file not found"),
+        (
+            ["--dataset", "/no/such.jsonl"],
+            "--dataset /no/such.jsonl: file not found; give a JSONL file with a question",
+        ),
         (["--dataset", "DUPLICATES"], "lines 1 and 2 have the same id 7"),
         (["--dataset", "DATA", "--budgets", "64,64"], "--budgets lists 64 twice"),
     ],

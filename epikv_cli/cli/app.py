@@ -108,7 +108,7 @@ PROFILE_EXAMPLES = (
 #: Shown by `epikv fidelity --help` and the man page.
 FIDELITY_EXAMPLES = (
     (
-        "epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o "
+        "epikv fidelity --prompts math500.jsonl --limit 30 --policies streaming,epikv,h2o "
         "--budgets +64,+128,+256 -o fid.jsonl",
         "MATH-500 problems 0-29: distance from the full cache per policy and budget",
     ),
@@ -116,9 +116,9 @@ FIDELITY_EXAMPLES = (
 #: Shown by `epikv eval --help` and the man page.
 EVAL_EXAMPLES = (
     (
-        "epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv "
+        "epikv eval --dataset gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv "
         "--budgets +128,+256 -o gsm.jsonl",
-        "GSM8K, first 100 problems, at two budgets",
+        "GSM8K, first 100 problems of a local JSONL copy, at two budgets",
     ),
     (
         "epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl",
@@ -128,7 +128,7 @@ EVAL_EXAMPLES = (
 #: Shown by `epikv calibrate --help` and the man page.
 CALIBRATE_EXAMPLES = (
     (
-        "epikv calibrate --prompts ../shared/data/math500.jsonl --limit 30",
+        "epikv calibrate --prompts math500.jsonl --limit 30",
         "bands for the demo model from 30 MATH-500 problems",
     ),
 )

@@ -1,7 +1,7 @@
 """Prompts and problems for ``fidelity``, ``eval`` and ``calibrate``: files, datasets, the paper's protocol.
 
 A FILE is plain text (one prompt per line), JSONL with ``prompt`` or ``messages``, or a dataset such
-as ../shared/data/math500.jsonl whose question is in a field (``--field problem``; by default the
+as a MATH-500 export (``math500.jsonl``) whose question is in a field (``--field problem``; by default the
 first of ``problem``, ``question``) and whose reference answer is in ``--answer-field`` (default
 ``answer``). Prompts follow the EpiKV paper's protocol: the chat template with the system message
 :data:`PROTOCOL_SYSTEM` (a model without a chat template gets the instruction before the problem).
@@ -134,8 +134,8 @@ def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> li
         import datasets  # noqa: PLC0415 (datasets: an optional extra (epikv[hub]), needed only for dataset names)
     except ImportError:
         raise UsageError(
-            f"--dataset {name} needs the 'datasets' package and the Hugging Face Hub; install it, or give a file: "
-            f"--dataset ../shared/data/{name if name != 'gsm8k' else 'gsm8k_test'}.jsonl"
+            f"--dataset {name} needs the 'datasets' package (pip install 'epikv[hub]') and the Hugging Face Hub; or "
+            f"give a local copy: --dataset {name}.jsonl (JSONL, a question and an 'answer' per line)"
         ) from None
     try:
         rows = datasets.load_dataset(repository, config, split=split)

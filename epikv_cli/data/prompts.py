@@ -33,7 +33,13 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def prompt_file_missing(option: str, source) -> UsageError:
-    """The error for a prompt file (named by ``option``) that does not exist."""
+    """The error for a prompt file (named by ``option``) that does not exist; ``--dataset`` takes JSONL with answers
+    only (or a dataset name), other options plain text too."""
+    if option == "--dataset":
+        return UsageError(
+            f"--dataset {source}: file not found; give a JSONL file with a question and an 'answer' per line, or a "
+            "dataset name (math500, gsm8k, aime24, aime25, amc23; needs the Hugging Face Hub)"
+        )
     return UsageError(
         f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file"
     )
