@@ -22,14 +22,7 @@ except ImportError:  # pragma: no cover - older Typer uses click itself
     from click.exceptions import ClickException, NoArgsIsHelpError
 
 from epikv_cli import __version__
-from epikv_cli.cli.batch import BatchFiles, run_batch
-from epikv_cli.cli.calibrate import calibrate_command
-from epikv_cli.cli.evaluate import eval_command
-from epikv_cli.cli.fidelity import fidelity_command
-from epikv_cli.cli.generate import report_nothing_generated, run_generate
 from epikv_cli.cli.helpscreen import render_help
-from epikv_cli.cli.maxcontext import max_context_command
-from epikv_cli.cli.profile import profile_command
 from epikv_cli.config import (
     ATTN_CHOICES,
     DEFAULT_POLICY,
@@ -58,16 +51,12 @@ from epikv_cli.errors import (
     no_space_reason,
     writing,
 )
-from epikv_cli.experiments.fidelity import check_configs
-from epikv_cli.experiments.profile import ProfileSettings
 from epikv_cli.models.shapes import SHAPES
-from epikv_cli.policies.registry import (
-    POLICIES,
-    check_settings,
-    evicts,
-    parse_policy_spec,
-    recent_window_policies,
-)
+from epikv_cli.policies.catalog import POLICY_NAMES
+
+# This module imports no torch and no transformers: `epikv --help`, `--version` and Tab completion start at once. A
+# command imports what it runs (its module in cli/, the registry, the experiments) when it is called; those imports
+# carry a `noqa: PLC0415` naming torch.
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
 EXAMPLES = (
@@ -162,8 +151,16 @@ EXIT_STATUSES = (
     (141, "the reader of stdout closed the pipe early (e.g. | head); nothing more is printed"),
 )
 
+
 # Enums give Typer its choices, help text and shell completion.
-PolicyName = Enum("PolicyName", {name: name for name in sorted(POLICIES)}, type=str)
+def _complete_policies(incomplete: str) -> list[str]:
+    """``--policies``: the policy names, after the items already typed (``streaming,ep`` -> ``streaming,epikv``)."""
+    done, _, last = incomplete.rpartition(",")
+    prefix = f"{done}," if done else ""
+    return [prefix + name for name in POLICY_NAMES if name.startswith(last)]
+
+
+PolicyName = Enum("PolicyName", {name: name for name in POLICY_NAMES}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)
 AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
@@ -203,6 +200,30 @@ DeviceMapOption = Annotated[
         help="Accelerate device map: auto, balanced, balanced_low_0, sequential, cpu, cuda, cuda:N, mps.",
     ),
 ]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        "-t",
+        metavar="N",
+        rich_help_panel=MODEL,
+        help="torch's CPU threads for the model's operations, as llama-cli's -t (default: torch's, one per core; on a "
+        "shared machine fewer can be faster).",
+    ),
+]
+
+
+def _use_threads(threads: int | None) -> None:
+    """``--threads``: torch's intra-op threads for this process."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    import torch  # noqa: PLC0415 (torch: when a command runs)
+
+    torch.set_num_threads(threads)
+
+
 DTypeOption = Annotated[
     DType,
     typer.Option(
@@ -429,6 +450,9 @@ def _interruptible(command):
         try:
             return command(**params)
         except KeyboardInterrupt:
+            from epikv_cli.cli.generate import report_nothing_generated  # noqa: PLC0415 (torch: when a command runs)
+            from epikv_cli.policies.registry import evicts  # noqa: PLC0415 (torch: when a command runs)
+
             policy, budget = params["policy"].value, params["budget"]
             return report_nothing_generated(params["json_output"], policy, budget if evicts(policy) else None)
 
@@ -448,6 +472,7 @@ def generate(
     compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind,
         typer.Option(
@@ -474,8 +499,8 @@ def generate(
         Optional[int],
         typer.Option(
             rich_help_panel=CACHE,
-            help=f"R: generated tokens always kept ({', '.join(recent_window_policies())}). Default: the policy's "
-            "own (epikv: min(128, K // 4); epikv2: 75% of K).",
+            help="R: generated tokens always kept, for the policies that keep a recent window (docs/policies.md). "
+            "Default: the policy's own (epikv: min(128, K // 4); epikv2: 75% of K).",
         ),
     ] = None,
     bands: Annotated[
@@ -584,6 +609,11 @@ def generate(
     ] = 1,
 ) -> int:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles, run_batch  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.generate import run_generate  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.policies.registry import check_settings, evicts, parse_policy_spec  # noqa: PLC0415 (torch: ditto)
+
     policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
     require_finite("--spike-threshold", spike_threshold)
     if panel and (json_output or prompts is not None):
@@ -648,6 +678,7 @@ def profile(
     compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind,
         typer.Option(
@@ -661,6 +692,7 @@ def profile(
         typer.Option(
             metavar="P,P,...",
             rich_help_panel=CACHE,
+            autocompletion=_complete_policies,
             help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own "
             "kernel. "
             "Default: full,streaming,epikv2 (with --max-context: h2o,epikv).",
@@ -714,6 +746,11 @@ def profile(
     ] = False,
 ) -> int:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
+    _use_threads(threads)
+    from epikv_cli.cli.maxcontext import max_context_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.profile import profile_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.profile import ProfileSettings  # noqa: PLC0415 (torch: when a command runs)
+
     if policies is None:
         policies = "h2o,epikv" if max_context else f"full,streaming,{DEFAULT_POLICY}"
     runs = ProfileSettings.parse_policies(policies)
@@ -772,11 +809,15 @@ def fidelity(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
     ] = AttnKind.auto,
     policies: Annotated[
-        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")
+        str,
+        typer.Option(
+            metavar="P,P,...", rich_help_panel=CACHE, autocompletion=_complete_policies, help="Policies to replay."
+        ),
     ] = f"streaming,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
@@ -816,6 +857,11 @@ def fidelity(
     ] = False,
 ) -> int:
     """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.fidelity import fidelity_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.fidelity import check_configs  # noqa: PLC0415 (torch: when a command runs)
+
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
         model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
@@ -847,6 +893,7 @@ def eval_(
             "-d",
             metavar="NAME|FILE",
             rich_help_panel=DATA,
+            autocompletion=lambda: list(HUB_DATASETS),
             help=f"A JSONL file, or a name loaded from the Hub: {', '.join(HUB_DATASETS)}.",
         ),
     ],
@@ -864,11 +911,15 @@ def eval_(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
     ] = AttnKind.auto,
     policies: Annotated[
-        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")
+        str,
+        typer.Option(
+            metavar="P,P,...", rich_help_panel=CACHE, autocompletion=_complete_policies, help="Policies to evaluate."
+        ),
     ] = f"full,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
@@ -912,6 +963,11 @@ def eval_(
     ] = 1,
 ) -> int:
     """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.evaluate import eval_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.fidelity import check_configs  # noqa: PLC0415 (torch: when a command runs)
+
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
         model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
@@ -964,6 +1020,7 @@ def calibrate(
     model: ModelOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     new_tokens: Annotated[
         int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")
     ] = 384,
@@ -979,6 +1036,9 @@ def calibrate(
     The bands go to $EPIKV_CACHE_DIR/bands/ (default ~/.cache/epikv/bands/), one file per model, and generate, eval,
     fidelity and profile use them for --policy epikv until --bands overrides them.
     """
+    _use_threads(threads)
+    from epikv_cli.cli.calibrate import calibrate_command  # noqa: PLC0415 (torch: when a command runs)
+
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)
     problems = load_problems(prompts, field=field, limit=limit, offset=offset)
     code = calibrate_command(model_settings, problems, new_tokens, json_output=json_output, quiet=quiet)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from epikv_cli.config import PromptSettings
 from epikv_cli.data.prompts import (
@@ -25,6 +23,9 @@ from epikv_cli.data.prompts import (
     prompt_file_missing,
 )
 from epikv_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION_FIELDS = ("problem", "question")

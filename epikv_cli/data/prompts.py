@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from epikv_cli.config import PromptSettings
 from epikv_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
