@@ -393,6 +393,10 @@ def test_unusable_output_is_refused_before_loading(tiny_model_dir, tmp_path, no_
         (["--prompts", "PROMPTS", "hi"], "either a PROMPT or --prompts"),
         (["--prompts", "PROMPTS", "--resume"], "--resume needs --output"),
         (["--prompts", "PROMPTS", "--panel"], "--panel shows one streamed generation"),
+        (
+            ["--prompts", "PROMPTS", "--json"],
+            "--json is for one prompt; with --prompts every result is already one JSON",
+        ),
     ],
 )
 def test_batch_usage_errors(tiny_model_dir, tmp_path, no_model_load, args, needle):

@@ -78,6 +78,7 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
 
     plain, chat, system = prompt_tokens("--no-chat-template"), prompt_tokens(), prompt_tokens("--system", "Be brief.")
     assert plain == 5 and chat == plain + 3 and system == chat + len("Be brief.") + 2
+    assert prompt_tokens("--system", "") == chat + 2  # an empty system message is sent, not the template's default
 
 
 @pytest.mark.parametrize(

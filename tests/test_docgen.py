@@ -175,3 +175,10 @@ def test_no_user_facing_text_points_to_this_projects_data_directory():
     for command in ("generate", "profile", "fidelity", "eval", "calibrate"):
         texts[f"{command} --help"] = CliRunner().invoke(app, [command, "--help"]).stdout
     assert [name for name, text in texts.items() if "shared/data" in text] == []
+
+
+def test_the_readme_and_pyproject_agree_on_python():
+    import tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=3.11" and "Python 3.11 or newer" in (ROOT / "README.md").read_text()

@@ -46,6 +46,8 @@ def test_wilson_interval_by_hand():
     low, high = wilson(7, 10)  # p = 0.7, n = 10, z = 1.96: the textbook 0.3968 to 0.8922
     assert low == pytest.approx(0.3968, abs=1e-4) and high == pytest.approx(0.8922, abs=1e-4)
     assert wilson(0, 5)[0] == 0.0 and math.isnan(wilson(0, 0)[0])
+    # none or all correct: the bound is exactly 0 or 1, never the 5.55e-17 the float sum leaves (n = 3, 6, 7, ...)
+    assert {wilson(0, n)[0] for n in range(1, 200)} == {0.0} and {wilson(n, n)[1] for n in range(1, 200)} == {1.0}
 
 
 class ScriptedGeneration:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
+from epikv_cli.cli.ui import fixed
 from epikv_cli.config import CacheSettings
 from epikv_cli.data.problems import load_problems, protocol_ids
 from epikv_cli.errors import UsageError
@@ -290,3 +292,21 @@ def test_a_policy_added_on_resume_runs_on_the_prompts_already_finished(tiny_mode
         (1, ["h2o"]),
         (2, ["h2o"]),
     ]
+
+
+def test_the_summary_keeps_every_digit_of_the_means(tiny_model_dir, tmp_path):
+    """--json printed means rounded to 6 digits; a script comparing policies needs them as computed."""
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}, {"problem": "Say hi."}])
+    out = tmp_path / "fid.jsonl"
+    result = runner.invoke(
+        app, fidelity_args(tiny_model_dir, path, out, "--policies", "streaming", "--budgets", "+8", "-n", "16")
+    )
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)["results"][0]
+    per_prompt = [r["results"][0]["kl_all"] for r in map(json.loads, out.read_text().splitlines())]
+    assert summary["kl_all"] == statistics.fmean(per_prompt)
+
+
+def test_no_kl_prints_as_a_negative_zero():
+    assert [fixed(v, 4) for v in (-3e-9, -0.00004, 0.0, -0.0)] == ["0.0000"] * 4
+    assert fixed(-0.4, 0) == "0" and fixed(-0.2, 1) == "-0.2" and fixed(0.12345, 4) == "0.1235"

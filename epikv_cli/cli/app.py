@@ -647,6 +647,11 @@ def generate(
     if prompts is not None:
         if prompt is not None:
             raise UsageError("give either a PROMPT or --prompts FILE, not both")
+        if json_output:
+            raise UsageError(
+                "--json is for one prompt; with --prompts every result is already one JSON line (on stdout, or in "
+                "--output FILE): drop --json"
+            )
         files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
         if batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1, got {batch_size}")

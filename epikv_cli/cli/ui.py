@@ -332,7 +332,7 @@ def fidelity_table(rows, title: str, compact: bool = False) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
 
     def number(value, digits):
-        return "–" if value is None else f"{value:.{digits}f}"
+        return "–" if value is None else fixed(value, digits)
 
     columns = {
         "policy": lambda r: r.policy,
@@ -416,6 +416,13 @@ def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: s
             f"{chosen[layer]:+.0f}" if layer in chosen else "",
         )
     return table
+
+
+def fixed(value: float, digits: int) -> str:
+    """``value`` with ``digits`` decimals, never a negative zero: a KL of -3e-9 (float error about an exact 0) is
+    0.0000, not -0.0000."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def wide_console() -> Console:

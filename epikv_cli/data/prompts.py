@@ -61,7 +61,7 @@ def require_text(prompt: str | None) -> str:
 
 def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
     """``[{"role": "system", ...}, {"role": "user", ...}]`` for one prompt."""
-    messages = [{"role": "system", "content": system}] if system else []
+    messages = [{"role": "system", "content": system}] if system is not None else []
     return messages + [{"role": "user", "content": prompt}]
 
 

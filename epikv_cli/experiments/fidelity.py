@@ -251,7 +251,7 @@ def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
         values = {}
         for metric in METRICS:
             present = [r[metric] for r in found if r.get(metric) is not None]
-            values[metric] = round(statistics.fmean(present), 6) if present else None
+            values[metric] = statistics.fmean(present) if present else None  # JSON keeps every digit
         rows.append(SummaryRow(config.policy, config.budget.text, len(found), values))
     return rows
 
