@@ -7,61 +7,65 @@ _epikv() {
     case "$sub" in
     calibrate)
         case "$prev" in
-            --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --prompts) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --field) COMPREPLY=(); return ;;
             --limit) COMPREPLY=(); return ;;
             --offset) COMPREPLY=(); return ;;
-            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --threads|-t) COMPREPLY=(); return ;;
             --new-tokens|-n) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --device-map --dtype --new-tokens -n --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --device-map --dtype --threads -t --new-tokens -n --json --quiet -q --help -h" -- "$cur")) ;;
     eval)
         case "$prev" in
-            --dataset|-d) COMPREPLY=(); return ;;
+            --dataset|-d) local names; names=$(compgen -W "math500 aime24 aime25 amc23 gsm8k" -- "$cur"); local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($names $(compgen -f -- "$cur")); return ;;
             --field) COMPREPLY=(); return ;;
             --answer-field) COMPREPLY=(); return ;;
             --limit) COMPREPLY=(); return ;;
             --offset) COMPREPLY=(); return ;;
-            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --threads|-t) COMPREPLY=(); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
-            --policies) COMPREPLY=(); return ;;
+            --policies) local pre=""; [[ $cur == *,* ]] && pre="${cur%,*},"; COMPREPLY=($(compgen -P "$pre" -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "${cur##*,}")); return ;;
             --budgets) COMPREPLY=(); return ;;
             --max-new-tokens|-n) COMPREPLY=(); return ;;
-            --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --output|-o) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--dataset -d --field --answer-field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --max-new-tokens -n --output -o --resume --overwrite --json --quiet -q --batch-size --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--dataset -d --field --answer-field --limit --offset --model -m --shape --layers --device-map --dtype --threads -t --attn --policies --budgets --max-new-tokens -n --output -o --resume --overwrite --json --quiet -q --batch-size --help -h" -- "$cur")) ;;
     fidelity)
         case "$prev" in
-            --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --prompts) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --field) COMPREPLY=(); return ;;
             --limit) COMPREPLY=(); return ;;
             --offset) COMPREPLY=(); return ;;
-            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --threads|-t) COMPREPLY=(); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
-            --policies) COMPREPLY=(); return ;;
+            --policies) local pre=""; [[ $cur == *,* ]] && pre="${cur%,*},"; COMPREPLY=($(compgen -P "$pre" -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "${cur##*,}")); return ;;
             --budgets) COMPREPLY=(); return ;;
             --new-tokens|-n) COMPREPLY=(); return ;;
-            --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --output|-o) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
         esac
-        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --shape --layers --device-map --dtype --attn --policies --budgets --new-tokens -n --output -o --resume --overwrite --trace --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--prompts --field --limit --offset --model -m --shape --layers --device-map --dtype --threads -t --attn --policies --budgets --new-tokens -n --output -o --resume --overwrite --trace --json --quiet -q --help -h" -- "$cur")) ;;
     generate)
         case "$prev" in
-            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --threads|-t) COMPREPLY=(); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
             --budget|-b) COMPREPLY=(); return ;;
             --policy|-p) COMPREPLY=($(compgen -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "$cur")); return ;;
@@ -77,29 +81,30 @@ _epikv() {
             --stop) COMPREPLY=(); return ;;
             --system) COMPREPLY=(); return ;;
             --spike-threshold) COMPREPLY=(); return ;;
-            --prompts) COMPREPLY=($(compgen -f -- "$cur")); return ;;
-            --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --prompts) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --output|-o) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --threads -t --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
-            --model|-m) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
             --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --threads|-t) COMPREPLY=(); return ;;
             --attn) COMPREPLY=($(compgen -W "auto sdpa eager flash_attention_2" -- "$cur")); return ;;
-            --policies) COMPREPLY=(); return ;;
+            --policies) local pre=""; [[ $cur == *,* ]] && pre="${cur%,*},"; COMPREPLY=($(compgen -P "$pre" -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "${cur##*,}")); return ;;
             --budget|-b) COMPREPLY=(); return ;;
             --prompt-tokens) COMPREPLY=(); return ;;
             --new-tokens) COMPREPLY=(); return ;;
             --repeats) COMPREPLY=(); return ;;
-            --prompt-file) COMPREPLY=(); return ;;
+            --prompt-file) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --batch-size) COMPREPLY=(); return ;;
             --memory-limit) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --batch-size --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --threads -t --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --batch-size --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
     *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }

@@ -21,6 +21,12 @@ class UsageError(ValueError):
     """
 
 
+class EpikvWarning(UserWarning):
+    """Something the user should know that does not stop the run (an unreadable bands file, a prompt beyond the
+    model's context): raised with :func:`warnings.warn` by any layer, shown by the CLI as one ``epikv: warning:``
+    line on stderr."""
+
+
 class ModelLoadError(RuntimeError):
     """A model could not be found or loaded; the CLI prints the message and exits with status 2."""
 

@@ -1,7 +1,7 @@
 """Adding a policy touches its file, its registry line and its own tests: removing one must leave the rest whole.
 
 ``python tests/policy_removal.py [PYTEST ARGS]`` copies the repository (the files git tracks) to a temporary
-directory, removes knorm there (``epikv_cli/policies/knorm.py``, its line in ``epikv_cli/policies/registry.py``
+directory, removes knorm there (``epikv_cli/policies/knorm.py``, its line in ``epikv_cli/policies/catalog.py``
 and ``tests/test_policies_knorm.py``), regenerates the completions and man page (``make docs``), and runs the
 suite there (``-n auto`` unless PYTEST ARGS say otherwise). ``tests/test_layout.py`` does the same with the
 collection and the lint alone, in every ``make test``.
@@ -36,7 +36,7 @@ def copy_without_policy(target: Path, policy: str = POLICY) -> Path:
             shutil.copy2(ROOT / name, target / name)
     for name in (f"epikv_cli/policies/{policy}.py", f"tests/test_policies_{policy}.py"):
         (target / name).unlink()
-    registry = target / "epikv_cli/policies/registry.py"
+    registry = target / "epikv_cli/policies/catalog.py"
     lines = registry.read_text().splitlines(keepends=True)
     kept = [line for line in lines if f"epikv_cli.policies.{policy}:" not in line]
     if len(kept) != len(lines) - 1:

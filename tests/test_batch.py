@@ -209,16 +209,58 @@ def spy_on_prompts(monkeypatch):
 def test_resume_skips_finished_ids(tiny_model_dir, tmp_path, monkeypatch):
     prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
     out = tmp_path / "out.jsonl"
-    out.write_text(
-        json.dumps({"id": 2, "line": 2, "prompt": "two", "text": "kept", "stats": {}, "error": None})
-        + '\n{"id": 3, "li'
-    )
+    assert run(tiny_model_dir, prompts, out).exit_code == 0
+    second = {**records(out)[1], "text": "kept"}  # as if only id 2 had finished, and id 3 was cut off
+    out.write_text(json.dumps(second) + '\n{"id": 3, "li')
     seen = spy_on_prompts(monkeypatch)
     result = run(tiny_model_dir, prompts, out, "--resume")
     assert result.exit_code == 0, result.stderr
     rows = records(out)  # the half-written last line is gone
     assert [r["id"] for r in rows] == [1, 2, 3] and rows[1]["text"] == "kept"
     assert len(seen) == 2
+
+
+def test_resume_refuses_results_of_other_prompts(tiny_model_dir, tmp_path, monkeypatch):
+    """Ten prompts finished, then six other prompts resumed into the same file: ids 1-6 are taken, but by other
+    prompts. Refused, before any model loads, and the file is left as it was."""
+    ten = write(tmp_path / "ten.txt", [f"question {i}" for i in range(1, 11)])
+    out = tmp_path / "res.jsonl"
+    assert run(tiny_model_dir, ten, out).exit_code == 0
+    before = out.read_bytes()
+    six = write(tmp_path / "six.txt", [f"another question {i}" for i in range(1, 7)])
+    monkeypatch.setattr(batch, "load", lambda *a, **k: pytest.fail("loaded a model for a refused resume"))
+    assert_one_line_usage_error(
+        run(tiny_model_dir, six, out, "--resume"), f"id 1 in {out} answers a different prompt than {six} line 1"
+    )
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        (["-n", "6"], "max_new_tokens = 8, this run has max_new_tokens = 6"),
+        (["-b", "40"], "budget = 48, this run has budget = 40"),
+        (["--policy", "h2o"], 'policy = "epikv2", this run has policy = "h2o"'),
+        (["--temperature", "0.7"], "temperature = 0.0, this run has temperature = 0.7"),
+        (["--system", "Be brief."], 'system = null, this run has system = "Be brief."'),
+    ],
+)
+def test_resume_refuses_other_settings(tiny_model_dir, tmp_path, changed, named):
+    prompts = write(tmp_path / "p.txt", ["one", "two"])
+    out = tmp_path / "out.jsonl"
+    assert run(tiny_model_dir, prompts, out).exit_code == 0
+    rows = records(out)
+    assert rows[0]["run"]["max_new_tokens"] == 8 and rows[0]["prompt_sha256"] != rows[1]["prompt_sha256"]
+    out.write_text(json.dumps(rows[0]) + "\n")  # id 2 still to run
+    assert_one_line_usage_error(run(tiny_model_dir, prompts, out, "--resume", *changed), named)
+    assert run(tiny_model_dir, prompts, out, "--resume").exit_code == 0  # the same settings go on
+
+
+def test_resume_refuses_results_that_carry_no_fingerprint(tiny_model_dir, tmp_path, no_model_load):
+    prompts = write(tmp_path / "p.txt", ["one", "two"])
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": 1, "line": 1, "prompt": "one", "text": "x", "stats": {}, "error": None}) + "\n")
+    assert_one_line_usage_error(run(tiny_model_dir, prompts, out, "--resume"), "cannot be checked", "--overwrite")
 
 
 def test_resume_retries_lines_that_failed(tiny_model_dir, tmp_path, monkeypatch):
@@ -351,6 +393,10 @@ def test_unusable_output_is_refused_before_loading(tiny_model_dir, tmp_path, no_
         (["--prompts", "PROMPTS", "hi"], "either a PROMPT or --prompts"),
         (["--prompts", "PROMPTS", "--resume"], "--resume needs --output"),
         (["--prompts", "PROMPTS", "--panel"], "--panel shows one streamed generation"),
+        (
+            ["--prompts", "PROMPTS", "--json"],
+            "--json is for one prompt; with --prompts every result is already one JSON",
+        ),
     ],
 )
 def test_batch_usage_errors(tiny_model_dir, tmp_path, no_model_load, args, needle):
@@ -440,6 +486,15 @@ def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_
 
     assert strip(records(four)) == strip(records(one))
     assert [r["stats"]["generated_tokens"] for r in records(four) if r["stats"]] == [6, 11, 16, 21, 26]
+    # per-phase memory is a row's own alone; in a batch the phases of the rows overlap: null, not 0
+    for alone, batched in zip(records(one), records(four)):
+        if alone["stats"]:
+            stats = alone["stats"]
+            assert stats["peak_memory_bytes"] == max(
+                stats["prefill_peak_memory_bytes"], stats["decode_peak_memory_bytes"]
+            )
+            assert batched["stats"]["prefill_peak_memory_bytes"] is None
+            assert batched["stats"]["decode_peak_memory_bytes"] is None
 
 
 def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_dir, tmp_path, monkeypatch):

@@ -11,7 +11,17 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
 from epikv_cli.errors import UsageError
-from epikv_cli.experiments.calibrate import STRIDE, WINDOW, choose_bands, rolling_mean, spearman, window_labels
+from epikv_cli.experiments import calibrate as calibrate_module
+from epikv_cli.experiments.calibrate import (
+    MIN_WINDOWS,
+    STRIDE,
+    WINDOW,
+    choose_bands,
+    rolling_mean,
+    spearman,
+    window_labels,
+)
+from epikv_cli.models.calibration import bands_path
 
 from conftest import tiny_model
 
@@ -74,9 +84,13 @@ def test_calibrated_bands_are_saved_and_used_until_overridden(tiny_model_dir, tm
     assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE)) and len(data["spearman"]) == 4
     saved = json.loads(open(data["path"]).read())
     assert saved["bands"] == [list(b) for b in data["bands"]]
+    # four windows: correlations that are chance, said in one warning line beside the JSON
+    assert data["windows"] < MIN_WINDOWS and "rest on only 4 windows" in data["note"]
+    assert result.stderr.count("epikv: warning: the correlations rest on only 4 windows") == 1
     run = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "hi"])
     used = json.loads(run.stdout)
     assert used["bands"] == saved["bands"] and used["bands_source"] == f"calibrated ({data['path']})"
+    assert f"(calibrated ({data['path']}))" in run.stderr  # generate says that it uses them, and which file
     override = json.loads(
         runner.invoke(
             app,
@@ -86,8 +100,67 @@ def test_calibrated_bands_are_saved_and_used_until_overridden(tiny_model_dir, tm
     assert override["bands"] == [[0, 1.0]] and override["bands_source"] == "--bands"
 
 
+def test_the_table_says_where_the_bands_were_saved(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The first prompt.\n")
+    result = runner.invoke(app, ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "64"])
+    assert result.exit_code == 0, result.stderr
+    saved = next((tmp_path / "bands").glob("*.json"))
+    assert f"bandssavedto{saved}" in "".join(result.stdout.split())  # the table wraps at the runner's width
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"bands": 3}'])
+def test_an_unreadable_bands_file_is_named_in_a_warning(tiny_model_dir, tmp_path, monkeypatch, content):
+    """A bands file left empty by a full disk (or damaged) was silently ignored: now one warning names it."""
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    path = bands_path(str(tiny_model_dir.resolve()))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    args = ["generate", "--model", str(tiny_model_dir), "-p", "epikv", "-n", "4", "--json", "-q", "hi"]
+    run = runner.invoke(app, args)
+    assert run.exit_code == 0, run.stderr
+    assert json.loads(run.stdout)["bands_source"].startswith("default")
+    warning = [line for line in run.stderr.splitlines() if line.startswith("epikv: warning:")]
+    assert len(warning) == 1 and f"cannot read the calibrated bands {path}" in warning[0]
+
+
+def test_the_cache_directory_holds_calibrations_says_the_help():
+    assert "calibrated bands" in " ".join(runner.invoke(app, ["--help"]).stdout.split())
+
+
 def test_too_few_tokens_for_a_window(tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     result = runner.invoke(app, ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "40"])
     assert result.exit_code == 2 and "--new-tokens must be at least 48" in result.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_what_the_finished_prompts_say_and_saves_nothing(tiny_model_dir, tmp_path, monkeypatch, as_json):
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    real = calibrate_module.trace
+    calls = {"n": 0}
+
+    def interrupted_at_the_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "trace", interrupted_at_the_third)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The first prompt.\nA second one, longer than the first.\nA third.\n")
+    args = ["calibrate", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "64", "-q"]
+    result = runner.invoke(app, [*args, *(["--json"] if as_json else [])])
+    assert result.exit_code == 130, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "epikv: interrupted after 2 of 3 prompts; these bands were not saved"
+    )
+    assert not (tmp_path / "bands").exists()
+    if as_json:
+        data = json.loads(result.stdout)
+        assert data["prompts"] == 2 and data["path"] is None
+        assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE))
+    else:
+        assert "nowhere (interrupted)" in " ".join(result.stdout.split())

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
 from epikv_cli.cli.entry import STARTUP_INTERRUPTED
+from epikv_cli.cli.generate import LONG_PROMPT
 from epikv_cli.core.cache import HEADROOM
 from epikv_cli.policies.registry import POLICIES
 from epikv_cli.runtime import generation as engine
@@ -77,6 +78,7 @@ def test_chat_template_and_system_change_the_prompt(tiny_model_dir):
 
     plain, chat, system = prompt_tokens("--no-chat-template"), prompt_tokens(), prompt_tokens("--system", "Be brief.")
     assert plain == 5 and chat == plain + 3 and system == chat + len("Be brief.") + 2
+    assert prompt_tokens("--system", "") == chat + 2  # an empty system message is sent, not the template's default
 
 
 @pytest.mark.parametrize(
@@ -110,6 +112,58 @@ def test_every_policy_and_mode_runs(tiny_model_dir, extra):
 )
 def test_bad_input_before_loading(args, needles):
     assert_one_line_usage_error(invoke("generate", *args), *needles)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("spelling", ["--policy-option", "--policies"])
+def test_an_option_a_policy_does_not_have_is_refused(policy, spelling, tmp_path):
+    """An option that would do nothing is refused, naming the policy's options (or none), before any model loads;
+    fidelity would otherwise label its rows with it."""
+    known = ", ".join(POLICIES[policy].Options.option_names()) or "none"
+    if spelling == "--policy-option":
+        result = invoke("generate", "--model", "/no/such/model", "-p", policy, "--policy-option", "foo=1", "hi")
+    else:
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("hi\n")
+        result = invoke(
+            "fidelity", "--model", "/no/such/model", "--prompts", str(prompts), "--policies", f"{policy}:foo=1"
+        )
+    assert_one_line_usage_error(result, f"policy {policy!r} has no option 'foo' (its options: {known})")
+
+
+def test_a_policy_spec_given_to_policy_points_to_its_spelling():
+    result = invoke("generate", "-p", "epikv2:period=32:decay=0.9", "hi")
+    assert_one_line_usage_error(
+        result, "--policy epikv2 --policy-option period=32 --policy-option decay=0.9", "--policy takes a policy name"
+    )
+
+
+def test_a_prompt_beyond_the_models_context_is_said_and_a_long_prefill_too(tiny_model_dir):
+    """The tiny model was trained on 1024 positions: a longer prompt runs, with one warning saying so; a prompt of
+    LONG_PROMPT tokens or more is announced before its prefill (which can take minutes on a real model)."""
+    over = invoke("generate", "--model", str(tiny_model_dir), "-n", "2", "--no-chat-template", "x" * 1100)
+    assert over.exit_code == 0, over.stderr
+    warnings = [line for line in over.stderr.splitlines() if line.startswith("epikv: warning:")]
+    assert warnings == [
+        "epikv: warning: the prompt has 1100 tokens, more than the model's context of 1024 (max_position_embeddings): "
+        "it runs, but the model was not trained on positions beyond it"
+    ]
+    assert "prefilling" not in over.stderr
+    long = invoke("generate", "--model", str(tiny_model_dir), "-n", "2", "--no-chat-template", "x" * LONG_PROMPT)
+    assert long.exit_code == 0, long.stderr
+    assert f"epikv: prefilling the {LONG_PROMPT}-token prompt; the first new token comes after it" in long.stderr
+
+
+def test_threads_sets_torchs_threads_and_refuses_zero(tiny_model_dir, monkeypatch):
+    """--threads N is llama-cli's -t: torch's intra-op threads (one thread ran 4x faster on this shared machine)."""
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    result = invoke("generate", "--model", str(tiny_model_dir), "-t", "3", "-n", "2", "--json", "hi")
+    assert result.exit_code == 0, result.stderr
+    assert asked == [3]
+    assert_one_line_usage_error(invoke("generate", "--threads", "0", "hi"), "--threads must be at least 1, got 0")
 
 
 def test_typers_pydantic_prefix_is_not_shown():

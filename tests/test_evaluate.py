@@ -46,6 +46,8 @@ def test_wilson_interval_by_hand():
     low, high = wilson(7, 10)  # p = 0.7, n = 10, z = 1.96: the textbook 0.3968 to 0.8922
     assert low == pytest.approx(0.3968, abs=1e-4) and high == pytest.approx(0.8922, abs=1e-4)
     assert wilson(0, 5)[0] == 0.0 and math.isnan(wilson(0, 0)[0])
+    # none or all correct: the bound is exactly 0 or 1, never the 5.55e-17 the float sum leaves (n = 3, 6, 7, ...)
+    assert {wilson(0, n)[0] for n in range(1, 200)} == {0.0} and {wilson(n, n)[1] for n in range(1, 200)} == {1.0}
 
 
 class ScriptedGeneration:
@@ -120,6 +122,11 @@ def test_eval_end_to_end_with_scripted_answers(tiny_model_dir, tmp_path, monkeyp
     assert lines[2]["prediction"] == "41" and lines[2]["reference"] == "42"
     resumed = runner.invoke(app, [*args[:-4], "-o", str(out), "--resume", "--json", "-q"])
     assert resumed.exit_code == 0 and len(out.read_text().splitlines()) == 6  # nothing ran twice
+    shorter = [*args[:-4], "-o", str(out), "--resume", "--json", "-q"]
+    shorter[shorter.index("-n") + 1] = "8"  # -n 8 over -n 16 results: the summary would mix both
+    refused = runner.invoke(app, shorter)
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "max_new_tokens = 16, this run has max_new_tokens = 8" in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -129,13 +136,20 @@ def test_eval_end_to_end_with_scripted_answers(tiny_model_dir, tmp_path, monkeyp
         (["--dataset", "DATA", "--answer-field", "solution"], "no 'solution' field"),
         (["--dataset", "DATA", "--limit", "0"], "--limit must be at least 1"),
         (["--dataset", "DATA", "--budgets", "+x"], "is not a budget"),
-        (["--dataset", "/no/such.jsonl"], "--dataset /no/such.jsonl: file not found"),
+        (
+            ["--dataset", "/no/such.jsonl"],
+            "--dataset /no/such.jsonl: file not found; give a JSONL file with a question",
+        ),
+        (["--dataset", "DUPLICATES"], "lines 1 and 2 have the same id 7"),
+        (["--dataset", "DATA", "--budgets", "64,64"], "--budgets lists 64 twice"),
     ],
 )
 def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     data = tmp_path / "set.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
-    args = [str(data) if a == "DATA" else a for a in args]
+    duplicates = tmp_path / "dup.jsonl"
+    duplicates.write_text('{"id": 7, "problem": "1+1?", "answer": "2"}\n{"id": 7, "problem": "2+2?", "answer": "4"}\n')
+    args = [str(data) if a == "DATA" else str(duplicates) if a == "DUPLICATES" else a for a in args]
     result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "-n", "4", *args])
     assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
         result.stderr

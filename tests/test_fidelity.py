@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
+from epikv_cli.cli.ui import fixed
 from epikv_cli.config import CacheSettings
 from epikv_cli.data.problems import load_problems, protocol_ids
 from epikv_cli.errors import UsageError
@@ -204,10 +206,15 @@ def test_cli_trace_writes_the_reference_and_each_positions_kl(tiny_model_dir, tm
         (["--budgets", "+8,"], "--budgets '+8,' has an empty item"),
         (["--limit", "0"], "--limit must be at least 1"),
         (["--field", "nope"], "no 'nope' text field"),
+        (["--budgets", "+64,+64"], "--budgets lists +64 twice"),
+        (["--prompts", "DUPLICATES"], 'lines 1 and 2 have the same id "a"'),
     ],
 )
 def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}])
+    duplicates = tmp_path / "dup.jsonl"
+    duplicates.write_text('{"id": "a", "problem": "One?"}\n{"id": "a", "problem": "Two?"}\n')
+    args = [str(duplicates) if a == "DUPLICATES" else a for a in args]
     result = runner.invoke(app, ["fidelity", "--model", str(tiny_model_dir), "--prompts", str(path), "-n", "8", *args])
     assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
         result.stderr
@@ -238,3 +245,68 @@ def test_repeated_ngram_share_counts_generated_tokens_closing_an_earlier_ngram()
     assert repeated_ngram_share([1, 2], [], n=2) is None
     # a generated run shorter than n that repeats nothing longer than itself is not a repeat
     assert repeated_ngram_share([7], [7, 7], n=3) == 0.0
+
+
+def fidelity_args(model_dir, prompts, out, *extra):
+    return ["fidelity", "--model", str(model_dir), "--prompts", str(prompts), "-o", str(out), "--json", "-q", *extra]
+
+
+def test_resume_refuses_another_length_and_other_prompts(tiny_model_dir, tmp_path):
+    """Resumed with -n 12 over -n 24 results, fidelity would average both lengths; other prompts under the same ids
+    would be counted as these."""
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}])
+    out = tmp_path / "fid.jsonl"
+    base = ("--policies", "streaming", "--budgets", "+8")
+    first = runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base, "-n", "24", "--limit", "1"))
+    assert first.exit_code == 0, first.stderr
+    shorter = runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base, "-n", "12", "--resume"))
+    assert shorter.exit_code == 2 and len(shorter.stderr.strip().splitlines()) == 1, shorter.stderr
+    assert "new_tokens = 24, this run has new_tokens = 12" in shorter.stderr
+    (tmp_path / "other").mkdir()
+    other = dataset(tmp_path / "other", [{"problem": "Something else entirely?"}])
+    swapped = runner.invoke(app, fidelity_args(tiny_model_dir, other, out, *base, "-n", "24", "--resume"))
+    assert swapped.exit_code == 2 and "answers a different prompt than" in swapped.stderr, swapped.stderr
+    assert len(out.read_text().splitlines()) == 1  # nothing was added by a refused resume
+
+
+def test_a_policy_added_on_resume_runs_on_the_prompts_already_finished(tiny_model_dir, tmp_path):
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}])
+    out = tmp_path / "fid.jsonl"
+    first = runner.invoke(
+        app, fidelity_args(tiny_model_dir, path, out, "--policies", "streaming", "--budgets", "+8", "-n", "12")
+    )
+    assert first.exit_code == 0, first.stderr
+    added = runner.invoke(
+        app,
+        fidelity_args(
+            tiny_model_dir, path, out, "--policies", "streaming,h2o", "--budgets", "+8", "-n", "12", "--resume"
+        ),
+    )
+    assert added.exit_code == 0, added.stderr
+    counted = {r["policy"]: r["prompts_counted"] for r in json.loads(added.stdout)["results"]}
+    assert counted == {"streaming": 2, "h2o": 2}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], [x["policy"] for x in r["results"]]) for r in lines] == [
+        (1, ["streaming"]),
+        (2, ["streaming"]),
+        (1, ["h2o"]),
+        (2, ["h2o"]),
+    ]
+
+
+def test_the_summary_keeps_every_digit_of_the_means(tiny_model_dir, tmp_path):
+    """--json printed means rounded to 6 digits; a script comparing policies needs them as computed."""
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}, {"problem": "Say hi."}])
+    out = tmp_path / "fid.jsonl"
+    result = runner.invoke(
+        app, fidelity_args(tiny_model_dir, path, out, "--policies", "streaming", "--budgets", "+8", "-n", "16")
+    )
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)["results"][0]
+    per_prompt = [r["results"][0]["kl_all"] for r in map(json.loads, out.read_text().splitlines())]
+    assert summary["kl_all"] == statistics.fmean(per_prompt)
+
+
+def test_no_kl_prints_as_a_negative_zero():
+    assert [fixed(v, 4) for v in (-3e-9, -0.00004, 0.0, -0.0)] == ["0.0000"] * 4
+    assert fixed(-0.4, 0) == "0" and fixed(-0.2, 1) == "-0.2" and fixed(0.12345, 4) == "0.1235"

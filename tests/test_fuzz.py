@@ -242,3 +242,37 @@ def test_an_empty_list_is_refused(tiny_model_dir, tmp_path_factory, where, empty
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
     assert lines[0].startswith(f"epikv: error: {option} ") and "empty" in lines[0]
+
+
+@settings(FUZZ, max_examples=max(1, FUZZ.max_examples // 3))
+@given(
+    first=st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta"]), min_size=1, max_size=4),
+    second=st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta"]), min_size=1, max_size=4),
+    budgets=st.tuples(st.sampled_from(["40", "48"]), st.sampled_from(["40", "48"])),
+    tokens=st.tuples(st.sampled_from(["2", "3"]), st.sampled_from(["2", "3"])),
+)
+def test_resume_never_mixes_prompts_or_settings(tiny_model_dir, tmp_path_factory, first, second, budgets, tokens):
+    """Any first batch, then any second batch resumed into the same file: refused (one line, the file untouched)
+    exactly when a finished id holds another prompt or other settings; otherwise every line answers its prompt."""
+    folder = tmp_path_factory.mktemp("resume")
+    out = folder / "out.jsonl"
+
+    def run(lines, budget, new_tokens, *extra):
+        prompts = folder / f"p{len(list(folder.iterdir()))}.txt"
+        prompts.write_text("\n".join(lines) + "\n")
+        args = ["generate", "--model", str(tiny_model_dir), "-n", new_tokens, "-b", budget, "-q"]
+        return runner.invoke(app, [*args, "--prompts", str(prompts), "-o", str(out), *extra])
+
+    assert run(first, budgets[0], tokens[0]).exit_code == 0
+    before = out.read_bytes()
+    result = run(second, budgets[1], tokens[1], "--resume")
+    assert_no_traceback(result)
+    overlap = range(min(len(first), len(second)))  # ids are line numbers
+    clash = any(first[i] != second[i] for i in overlap) or (budgets[0], tokens[0]) != (budgets[1], tokens[1])
+    if clash:
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert out.read_bytes() == before
+    else:
+        assert result.exit_code == 0, result.stderr
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [row["prompt"] for row in rows] == (second + first[len(second) :])[: max(len(first), len(second))]

@@ -243,6 +243,8 @@ def test_table_output(tiny_model_dir):
         (["--policies", "epikv,epikv"], ["lists a policy twice"]),
         (["--policies", "full,,epikv"], ["--policies 'full,,epikv' has an empty item"]),
         (["--policies", ""], ["--policies is empty"]),  # not the default set
+        (["--prompt-tokens", "100000000"], ["go beyond the model's context of 1024 tokens", "--prompt-tokens 512"]),
+        (["--prompt-tokens", "99999999999999999999"], ["--prompt-tokens and --new-tokens must be at most 2147483647"]),
         (["--max-context", "--memory-limit", "1GiB", "--policies", ""], ["--policies is empty"]),
         (["--policies", "h2o@fast"], ["unknown kernel 'fast'"]),
         (["--repeats", "0"], ["--repeats must be at least 1"]),
@@ -460,3 +462,42 @@ def test_each_run_starts_after_the_last_runs_cache_is_gone(tiny_model_dir, monke
     # four runs (two warm-ups, two measured), each resetting at its start and after its prefill: at the first
     # reset of each, no earlier run's cache is left (the run's own decoder is made after it)
     assert alive_at_reset == [0, 1] * 4
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_the_runs_that_finished(tiny_model_dir, monkeypatch, as_json):
+    """Ctrl-C during the second round: the table (or JSON) of the runs measured so far, one line, exit 130."""
+    real = profile_module.measure
+    calls = {"n": 0}
+
+    def interrupted_later(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2 + 2 + 1:  # after two warm-ups and one round of two policies
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "measure", interrupted_later)
+    args = ["--model", str(tiny_model_dir), "--policies", "full,streaming", "-b", "24", "--prompt-tokens", "16"]
+    result = invoke(*args, "--new-tokens", "8", "--repeats", "3", "-q", *(["--json"] if as_json else []))
+    assert result.exit_code == 130, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "epikv: interrupted after 2 measured runs; the medians above are over the runs that finished"
+    ]
+    if as_json:
+        data = json.loads(result.stdout)
+        assert data["interrupted"] and [(r["policy"], r["runs"]) for r in data["results"]] == [
+            ("full", 1),
+            ("streaming", 1),
+        ]
+    else:
+        assert "streaming" in result.stdout and "tok/s" in result.stdout
+
+
+def test_ctrl_c_before_any_run_says_so(tiny_model_dir, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile_module, "measure", interrupted)
+    result = invoke("--model", str(tiny_model_dir), "--policies", "full", "--new-tokens", "8", "-q")
+    assert result.exit_code == 130 and result.stdout == ""
+    assert result.stderr.strip() == "epikv: interrupted before any measured run finished; nothing to report"

@@ -213,3 +213,16 @@ def test_a_reset_cache_starts_a_new_sequence_afresh():
         again = MODEL.generate(other, cache=cache, max_new_tokens=50, **GEN)
         assert torch.equal(again, expected) and cache.evicted_total == expected_evicted
         assert epikv_cli.policy_of(cache) is not first_policy  # the cache holds no policy: its session made a new one
+
+
+@pytest.mark.parametrize("policy", ["streaming", "epikv2"])
+def test_the_peak_of_a_prompt_longer_than_the_budget_is_the_prompt(policy):
+    """docs/cli.md's definition: K + 1 in the decoding steps, but the prefill holds a prompt longer than K whole before
+    it evicts down to K."""
+    prompt = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(3))
+    with epikv_cli.attach(MODEL, budget=24, policy=policy) as cache:
+        MODEL.generate(prompt, cache=cache, max_new_tokens=8, **GEN)
+        assert cache.peak_stored == 60 and cache.stored == 24
+    with epikv_cli.attach(MODEL, budget=24, policy=policy) as cache:
+        MODEL.generate(prompt[:, :20], cache=cache, max_new_tokens=8, **GEN)
+        assert cache.peak_stored == 25

@@ -146,3 +146,40 @@ def test_cli_stdout_gets_plain_text_only(tiny_model_dir):
     assert plain.exit_code == forced.exit_code == 0
     assert forced.stdout == plain.stdout and "\x1b[" not in forced.stdout
     assert "─ cache" in forced.stderr and "─ cache" not in plain.stderr
+
+
+def test_the_live_panel_fits_an_80_by_24_terminal(tokenizer):
+    """At 80x24 the panel with -p epikv was 41 rows: the terminal scrolled, rich cut it with '…' and every redraw left
+    a frame behind. Every frame now fits (one row spare for the cursor), the bands cut to one row."""
+    state = run_state(tokenizer)
+    state.spikes.extend((position, 2.0 + i) for i, (position, _) in enumerate(list(state.scores)[:8]))
+    state.bands = "9:+1, 20:-1 (calibrated (/root/.cache/epikv/bands/SmolLM2-135M-Instruct-0123456789ab.json))"
+    assert len(state.spikes) >= 2 and len(state.spans) >= 2
+    for width, height in ((80, 24), (100, 40), (60, 14)):
+        console = Console(record=True, width=width, height=height, file=io.StringIO(), force_terminal=True)
+        console.print(PanelView(state, tokenizer).render(console=console))
+        rows = console.export_text().splitlines()
+        assert len(rows) <= height - 1, (width, height, len(rows))
+        assert "─ cache" in rows[0] or "─ text" in rows[0]
+        assert not any(row.rstrip().endswith("…") and "bands" not in row for row in rows)
+    tall = Console(record=True, width=100, height=60, file=io.StringIO(), force_terminal=True)
+    tall.print(PanelView(state, tokenizer).render(console=tall))
+    text = tall.export_text()
+    for title in ("text", "cache", "evicted spans", "epiphany scores"):  # with room, every section is there
+        assert f"─ {title}" in text
+    assert PanelView(state, tokenizer).fit(23).spikes >= 1  # at 80x24 the epiphany scores still show
+
+
+def test_ctrl_c_leaves_no_frame_above_the_text(tokenizer):
+    """The live panel is transient: once it stops (Ctrl-C included), the terminal holds none of its rows."""
+    state = run_state(tokenizer)
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, height=24)
+    try:
+        with LivePanel(console, state, PanelView(state, tokenizer)) as live:
+            live.draw()
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    *_, last_frame, erase = console.file.getvalue().split("\r")  # each redraw starts by returning the cursor
+    rows = last_frame.count("\n")
+    assert 0 < rows <= 23 and erase.count("\x1b[1A") == rows  # every row of the frame is erased, none scrolled away

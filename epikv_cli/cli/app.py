@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,14 +22,7 @@ except ImportError:  # pragma: no cover - older Typer uses click itself
     from click.exceptions import ClickException, NoArgsIsHelpError
 
 from epikv_cli import __version__
-from epikv_cli.cli.batch import BatchFiles, run_batch
-from epikv_cli.cli.calibrate import calibrate_command
-from epikv_cli.cli.evaluate import eval_command
-from epikv_cli.cli.fidelity import fidelity_command
-from epikv_cli.cli.generate import report_nothing_generated, run_generate
 from epikv_cli.cli.helpscreen import render_help
-from epikv_cli.cli.maxcontext import max_context_command
-from epikv_cli.cli.profile import profile_command
 from epikv_cli.config import (
     ATTN_CHOICES,
     DEFAULT_POLICY,
@@ -47,22 +44,19 @@ from epikv_cli.errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     NO_SPACE,
+    EpikvWarning,
     ModelLoadError,
     UsageError,
     WriteError,
     no_space_reason,
     writing,
 )
-from epikv_cli.experiments.fidelity import check_configs
-from epikv_cli.experiments.profile import ProfileSettings
 from epikv_cli.models.shapes import SHAPES
-from epikv_cli.policies.registry import (
-    POLICIES,
-    check_settings,
-    evicts,
-    parse_policy_spec,
-    recent_window_policies,
-)
+from epikv_cli.policies.catalog import POLICY_NAMES
+
+# This module imports no torch and no transformers: `epikv --help`, `--version` and Tab completion start at once. A
+# command imports what it runs (its module in cli/, the registry, the experiments) when it is called; those imports
+# carry a `noqa: PLC0415` naming torch.
 
 #: Shown by `--help`, the man page and the README: (command line, what it does).
 EXAMPLES = (
@@ -103,7 +97,7 @@ PROFILE_EXAMPLES = (
 #: Shown by `epikv fidelity --help` and the man page.
 FIDELITY_EXAMPLES = (
     (
-        "epikv fidelity --prompts ../shared/data/math500.jsonl --limit 30 --policies streaming,epikv,h2o "
+        "epikv fidelity --prompts math500.jsonl --limit 30 --policies streaming,epikv,h2o "
         "--budgets +64,+128,+256 -o fid.jsonl",
         "MATH-500 problems 0-29: distance from the full cache per policy and budget",
     ),
@@ -111,9 +105,9 @@ FIDELITY_EXAMPLES = (
 #: Shown by `epikv eval --help` and the man page.
 EVAL_EXAMPLES = (
     (
-        "epikv eval --dataset ../shared/data/gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv "
+        "epikv eval --dataset gsm8k_test.jsonl --limit 100 -n 384 --policies full,streaming,epikv "
         "--budgets +128,+256 -o gsm.jsonl",
-        "GSM8K, first 100 problems, at two budgets",
+        "GSM8K, first 100 problems of a local JSONL copy, at two budgets",
     ),
     (
         "epikv eval --dataset math500 --limit 100 -n 8192 --budgets 4096 --resume -o m.jsonl",
@@ -123,14 +117,18 @@ EVAL_EXAMPLES = (
 #: Shown by `epikv calibrate --help` and the man page.
 CALIBRATE_EXAMPLES = (
     (
-        "epikv calibrate --prompts ../shared/data/math500.jsonl --limit 30",
+        "epikv calibrate --prompts math500.jsonl --limit 30",
         "bands for the demo model from 30 MATH-500 problems",
     ),
 )
 #: Environment variables epikv reads: (name, meaning).
 ENVIRONMENT = (
     ("EPIKV_MODEL", "default for --model"),
-    ("EPIKV_CACHE_DIR", "where the demo model is kept (default $XDG_CACHE_HOME/epikv, else ~/.cache/epikv)"),
+    (
+        "EPIKV_CACHE_DIR",
+        "where the demo model and each model's calibrated bands (bands/) are kept (default $XDG_CACHE_HOME/epikv, "
+        "else ~/.cache/epikv)",
+    ),
     ("XDG_CACHE_HOME", "base of the default cache directory"),
     ("HF_HUB_OFFLINE", "set to 1 to load Hub ids from the local Hugging Face cache only"),
     ("HF_HOME", "the Hugging Face cache used for Hub ids"),
@@ -153,8 +151,16 @@ EXIT_STATUSES = (
     (141, "the reader of stdout closed the pipe early (e.g. | head); nothing more is printed"),
 )
 
+
 # Enums give Typer its choices, help text and shell completion.
-PolicyName = Enum("PolicyName", {name: name for name in sorted(POLICIES)}, type=str)
+def _complete_policies(incomplete: str) -> list[str]:
+    """``--policies``: the policy names, after the items already typed (``streaming,ep`` -> ``streaming,epikv``)."""
+    done, _, last = incomplete.rpartition(",")
+    prefix = f"{done}," if done else ""
+    return [prefix + name for name in POLICY_NAMES if name.startswith(last)]
+
+
+PolicyName = Enum("PolicyName", {name: name for name in POLICY_NAMES}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)
 AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
@@ -194,6 +200,30 @@ DeviceMapOption = Annotated[
         help="Accelerate device map: auto, balanced, balanced_low_0, sequential, cpu, cuda, cuda:N, mps.",
     ),
 ]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        "-t",
+        metavar="N",
+        rich_help_panel=MODEL,
+        help="torch's CPU threads for the model's operations, as llama-cli's -t (default: torch's, one per core; on a "
+        "shared machine fewer can be faster).",
+    ),
+]
+
+
+def _use_threads(threads: int | None) -> None:
+    """``--threads``: torch's intra-op threads for this process."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    import torch  # noqa: PLC0415 (torch: when a command runs)
+
+    torch.set_num_threads(threads)
+
+
 DTypeOption = Annotated[
     DType,
     typer.Option(
@@ -221,6 +251,25 @@ CompileOption = Annotated[
         "--compile", rich_help_panel=MODEL, help="torch.compile the model's forward (slow first steps, faster after)."
     ),
 ]
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """While a command runs, every :class:`EpikvWarning` is one ``epikv: warning:`` line on stderr (once per distinct
+    message: one per prompt of a batch, not one per policy replaying it), whatever ``--quiet`` says; other warnings
+    are left as they are."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, EpikvWarning):
+            print(f"epikv: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", EpikvWarning)
+        warnings.showwarning = show
+        yield
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -289,7 +338,7 @@ class EpikvGroup(TyperGroup):
     """
 
     def format_help(self, ctx, formatter) -> None:
-        formatter.write(render_help(ctx, self))
+        formatter.write(render_help(ctx, self, ENVIRONMENT))
 
     def make_context(self, *args, **kwargs):  # parsing runs the eager options: --help, --version
         try:
@@ -308,9 +357,10 @@ class EpikvGroup(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             try:
-                code = super().main(
-                    args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
-                )
+                with _warnings_as_lines():
+                    code = super().main(
+                        args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
+                    )
             except NoArgsIsHelpError as shown:
                 with writing("stdout"):
                     print(shown.format_message())
@@ -322,7 +372,7 @@ class EpikvGroup(TyperGroup):
             hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
             # Typer validates through pydantic, whose messages carry a "Value error, " prefix: not for users
             message = error.format_message().replace("\n", " ").replace("Value error, ", "")
-            _fail(message + hint, error.exit_code)
+            _fail(_spelling(error, message) or message + hint, error.exit_code)
         except typer.Abort:
             _flush_stdout()
             print("epikv: interrupted; nothing was generated", file=sys.stderr)
@@ -344,6 +394,16 @@ class EpikvGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _spelling(error: ClickException, message: str) -> str | None:
+    """For ``--policy NAME:KEY=VALUE`` (the spelling of ``--policies``), the spelling ``--policy`` takes."""
+    spec = re.search(r"'([^' ]+:[^' ]*)' is not one of", message)
+    if getattr(getattr(error, "param", None), "name", None) != "policy" or spec is None:
+        return None
+    name, *options = spec.group(1).split(":")
+    given = " ".join(f"--policy-option {option}" for option in options if option)
+    return f"--policy takes a policy name, and its options go one by one: --policy {name} {given}".rstrip()
 
 
 app = typer.Typer(
@@ -390,6 +450,9 @@ def _interruptible(command):
         try:
             return command(**params)
         except KeyboardInterrupt:
+            from epikv_cli.cli.generate import report_nothing_generated  # noqa: PLC0415 (torch: when a command runs)
+            from epikv_cli.policies.registry import evicts  # noqa: PLC0415 (torch: when a command runs)
+
             policy, budget = params["policy"].value, params["budget"]
             return report_nothing_generated(params["json_output"], policy, budget if evicts(policy) else None)
 
@@ -409,6 +472,7 @@ def generate(
     compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind,
         typer.Option(
@@ -435,8 +499,8 @@ def generate(
         Optional[int],
         typer.Option(
             rich_help_panel=CACHE,
-            help=f"R: generated tokens always kept ({', '.join(recent_window_policies())}). Default: the policy's "
-            "own (epikv: min(128, K // 4); epikv2: 75% of K).",
+            help="R: generated tokens always kept, for the policies that keep a recent window (docs/policies.md). "
+            "Default: the policy's own (epikv: min(128, K // 4); epikv2: 75% of K).",
         ),
     ] = None,
     bands: Annotated[
@@ -545,6 +609,11 @@ def generate(
     ] = 1,
 ) -> int:
     """Generate text while an EpiKV-managed KV cache holds at most --budget tokens."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles, run_batch  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.generate import run_generate  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.policies.registry import check_settings, evicts, parse_policy_spec  # noqa: PLC0415 (torch: ditto)
+
     policy, positions, dtype, attn = policy.value, positions.value, dtype.value, attn.value
     require_finite("--spike-threshold", spike_threshold)
     if panel and (json_output or prompts is not None):
@@ -578,6 +647,11 @@ def generate(
     if prompts is not None:
         if prompt is not None:
             raise UsageError("give either a PROMPT or --prompts FILE, not both")
+        if json_output:
+            raise UsageError(
+                "--json is for one prompt; with --prompts every result is already one JSON line (on stdout, or in "
+                "--output FILE): drop --json"
+            )
         files = BatchFiles.check(prompts, output, resume=resume, overwrite=overwrite)
         if batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
@@ -609,6 +683,7 @@ def profile(
     compile_model: CompileOption = False,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind,
         typer.Option(
@@ -622,6 +697,7 @@ def profile(
         typer.Option(
             metavar="P,P,...",
             rich_help_panel=CACHE,
+            autocompletion=_complete_policies,
             help="Policies to compare, the first is the reference for ratios; POLICY@KERNEL runs one on its own "
             "kernel. "
             "Default: full,streaming,epikv2 (with --max-context: h2o,epikv).",
@@ -675,6 +751,11 @@ def profile(
     ] = False,
 ) -> int:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
+    _use_threads(threads)
+    from epikv_cli.cli.maxcontext import max_context_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.profile import profile_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.profile import ProfileSettings  # noqa: PLC0415 (torch: when a command runs)
+
     if policies is None:
         policies = "h2o,epikv" if max_context else f"full,streaming,{DEFAULT_POLICY}"
     runs = ProfileSettings.parse_policies(policies)
@@ -733,11 +814,15 @@ def fidelity(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
     ] = AttnKind.auto,
     policies: Annotated[
-        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to replay.")
+        str,
+        typer.Option(
+            metavar="P,P,...", rich_help_panel=CACHE, autocompletion=_complete_policies, help="Policies to replay."
+        ),
     ] = f"streaming,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
@@ -777,6 +862,11 @@ def fidelity(
     ] = False,
 ) -> int:
     """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.fidelity import fidelity_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.fidelity import check_configs  # noqa: PLC0415 (torch: when a command runs)
+
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
         model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
@@ -808,6 +898,7 @@ def eval_(
             "-d",
             metavar="NAME|FILE",
             rich_help_panel=DATA,
+            autocompletion=lambda: list(HUB_DATASETS),
             help=f"A JSONL file, or a name loaded from the Hub: {', '.join(HUB_DATASETS)}.",
         ),
     ],
@@ -825,11 +916,15 @@ def eval_(
     layers: LayersOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     attn: Annotated[
         AttnKind, typer.Option(metavar="KERNEL", rich_help_panel=MODEL, help="Attention kernel.")
     ] = AttnKind.auto,
     policies: Annotated[
-        str, typer.Option(metavar="P,P,...", rich_help_panel=CACHE, help="Policies to evaluate.")
+        str,
+        typer.Option(
+            metavar="P,P,...", rich_help_panel=CACHE, autocompletion=_complete_policies, help="Policies to evaluate."
+        ),
     ] = f"full,{DEFAULT_POLICY}",
     budgets: Annotated[
         str,
@@ -873,6 +968,11 @@ def eval_(
     ] = 1,
 ) -> int:
     """Greedy accuracy on a math benchmark under each policy and budget, judged by math-verify."""
+    _use_threads(threads)
+    from epikv_cli.cli.batch import BatchFiles  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.cli.evaluate import eval_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.experiments.fidelity import check_configs  # noqa: PLC0415 (torch: when a command runs)
+
     configs = check_configs(policies, budgets)
     model_settings = ModelSettings(
         model=model, device_map=device_map, dtype=dtype.value, attn=attn.value, shape=shape, layers=layers
@@ -925,6 +1025,7 @@ def calibrate(
     model: ModelOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
     new_tokens: Annotated[
         int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")
     ] = 384,
@@ -935,7 +1036,14 @@ def calibrate(
         bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
     ] = False,
 ) -> int:
-    """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands."""
+    """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands.
+
+    The bands go to $EPIKV_CACHE_DIR/bands/ (default ~/.cache/epikv/bands/), one file per model, and generate, eval,
+    fidelity and profile use them for --policy epikv until --bands overrides them.
+    """
+    _use_threads(threads)
+    from epikv_cli.cli.calibrate import calibrate_command  # noqa: PLC0415 (torch: when a command runs)
+
     model_settings = ModelSettings(model=model, device_map=device_map, dtype=dtype.value)
     problems = load_problems(prompts, field=field, limit=limit, offset=offset)
     code = calibrate_command(model_settings, problems, new_tokens, json_output=json_output, quiet=quiet)

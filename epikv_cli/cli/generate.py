@@ -29,6 +29,9 @@ from epikv_cli.runtime.stream import input_device
 
 NO_TEMPLATE_NOTE = "this model's tokenizer has no chat template; the prompt is used as plain text"
 
+#: A prompt this long gets a note (and, on a terminal, a status line) before its prefill, which can take minutes.
+LONG_PROMPT = 4096
+
 
 def summary_line(result: GenerationResult) -> str:
     """One human line with the run's statistics (for stderr)."""
@@ -111,7 +114,7 @@ def run_generate(
             out.write(text)
             out.flush()
 
-    generation = view = None
+    generation = view = waiting = None
     interrupted = False
     try:
         prompt = read_prompt(prompt, note)  # before loading the model: fail fast
@@ -136,8 +139,22 @@ def run_generate(
             device = input_device(loaded.model)
             live = LivePanel(panel_console, state, view, memory_probe=lambda: peak_memory(device)[0])
 
+        first = True
+        prompt_len = input_ids.shape[1]
+        waiting = None
+        if prompt_len >= LONG_PROMPT:  # the prefill is one forward: say why nothing comes for a while
+            note(f"prefilling the {prompt_len}-token prompt; the first new token comes after it")
+            if err.is_terminal and not quiet and live is None:
+                waiting = err.status(f"prefilling {prompt_len} tokens…")
+                waiting.start()
         with live or nullcontext():
             for event in generation:
+                if waiting is not None:
+                    waiting.stop()
+                    waiting = None
+                if first and str(generation.policy.report().get("bands_source", "")).startswith("calibrated"):
+                    note(f"EpiKV bands {generation.bands_description}")  # "9:+1, 20:-1 (calibrated (<file>))"
+                first = False
                 if stream_text and event.text:
                     emit(event.text)
                 if live is not None:
@@ -145,6 +162,9 @@ def run_generate(
                     live.update(event)
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        if waiting is not None:
+            waiting.stop()
     result = generation.result if generation is not None else None
     if result is None:  # interrupted before generation began: nothing to show but the truth
         return report_nothing_generated(json_output, cache.policy, cache.budget)

@@ -87,8 +87,9 @@ def _panel(title: str, rows: list[tuple[Text, Text]], name_width: int) -> Panel:
     return Panel(table, title=title, title_align="left", border_style=DIM)
 
 
-def render_help(ctx, command) -> str:
-    """The whole help screen of ``command`` (a Typer command or group), as the terminal should show it."""
+def render_help(ctx, command, environment: tuple[tuple[str, str], ...] = ()) -> str:
+    """The whole help screen of ``command`` (a Typer command or group), as the terminal should show it, with an
+    ``environment`` panel of (variable, meaning) rows when given."""
     usage = Text.assemble(("Usage: ", "bold"), " ".join([ctx.command_path, *command.collect_usage_pieces(ctx)]))
     parts: list = [usage, Text("")]
     if command.help:
@@ -112,7 +113,8 @@ def render_help(ctx, command) -> str:
             sub = command.get_command(ctx, name)
             commands.append((Text(name, style=NAME_STYLE), Text(sub.get_short_help_str(limit=200))))
 
-    rows = arguments + commands + [row for group in panels.values() for row in group]
+    variables = [(Text(name, style=NAME_STYLE), Text(meaning)) for name, meaning in environment]
+    rows = arguments + commands + variables + [row for group in panels.values() for row in group]
     width = max((cell_len(line) for names, _ in rows for line in names.plain.split("\n")), default=10)
     if arguments:
         parts.append(_panel("Arguments", arguments, width))
@@ -120,6 +122,8 @@ def render_help(ctx, command) -> str:
         parts.append(_panel(title, group, width))
     if commands:
         parts.append(_panel("Commands", commands, width))
+    if variables:
+        parts.append(_panel("Environment", variables, width))
     if command.epilog:  # a heading line, then one example command per line
         heading, *examples = [line.strip() for line in command.epilog.splitlines() if line.strip()]
         table = Table.grid(padding=(0, 1))

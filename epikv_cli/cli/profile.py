@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from epikv_cli.cli.ui import profile_table, progress_bar, wide_console
-from epikv_cli.errors import writing
-from epikv_cli.experiments.profile import ProfileSettings, prompt_ids, run_profile
+from epikv_cli.errors import EXIT_INTERRUPTED, writing
+from epikv_cli.experiments.profile import ProfileSettings, prompt_ids, reports_of, run_profile
 from epikv_cli.models.loading import load
 
 
@@ -25,13 +26,28 @@ def profile_command(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     settings.check_budgets()  # before the model loads
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
+    settings.check_context(loaded.model)
     ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, prompt_file)
     total = len(settings.runs) * (settings.repeats + 1)
-    with progress_bar(err, disable=quiet, transient=True) as progress:
-        task = progress.add_task("profile", total=total, status="")
-        reports = run_profile(
-            loaded.model, loaded.tokenizer, settings, ids, lambda label: progress.update(task, advance=1, status=label)
-        )
+    measured: dict = {}
+    interrupted = False
+    try:
+        with progress_bar(err, disable=quiet, transient=True) as progress:
+            task = progress.add_task("profile", total=total, status="")
+            reports = run_profile(
+                loaded.model,
+                loaded.tokenizer,
+                settings,
+                ids,
+                lambda label: progress.update(task, advance=1, status=label),
+                measured,
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        reports = reports_of(measured)
+    if interrupted and not reports:
+        print("epikv: interrupted before any measured run finished; nothing to report", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if model_settings.layers:
         model_name += f" ({model_settings.layers} layers)"
@@ -42,6 +58,7 @@ def profile_command(
             "prompt_tokens": settings.prompt_tokens,
             "new_tokens": settings.new_tokens,
             "repeats": settings.repeats,
+            "interrupted": interrupted,
             "batch_size": settings.batch_size,
             "attn": loaded.attn,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
@@ -61,4 +78,12 @@ def profile_command(
         out = wide_console()
         with writing("stdout"):
             out.print(profile_table(reports, title, compact=out.width < 110))
+    if interrupted:
+        runs = sum(len(runs) for runs in measured.values())
+        print(
+            f"epikv: interrupted after {runs} measured runs; the medians above are over the runs that finished",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     return 0

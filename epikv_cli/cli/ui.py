@@ -110,6 +110,21 @@ class PanelState:
         return self.prompt_ids[position] if position < prompt else self.generated[position - prompt]
 
 
+#: Rows of the cache panel (four lines and the border); the spans and spikes listed when there is room.
+CACHE_ROWS = 6
+SPANS_SHOWN = 6
+SPIKES_SHOWN = 8
+
+
+@dataclass
+class PanelLayout:
+    """Rows given to the text, and how many evicted spans and spikes are listed (0: the section is left out)."""
+
+    text: int
+    spans: int
+    spikes: int
+
+
 class PanelView:
     """Renders a :class:`PanelState` as rich renderables."""
 
@@ -122,9 +137,16 @@ class PanelView:
         ids = [self.state.token_at(p) for p in range(start, min(end, start + 12) + 1)]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def text_panel(self) -> Panel:
-        lines = self.state.text.splitlines()[-self.text_lines :]
-        return Panel(Text("\n".join(lines)), title="text", title_align="left", border_style="white")
+    def text_panel(self, lines: int | None = None, console: Console | None = None, width: int | None = None) -> Panel:
+        """The newest ``lines`` lines of text (default :attr:`text_lines`); with ``console`` and ``width``, the
+        newest rows as the panel wraps them, so that the panel is exactly that tall."""
+        lines = self.text_lines if lines is None else lines
+        if console is None or width is None:
+            shown = Text("\n".join(self.state.text.splitlines()[-lines:]))
+        else:
+            rows = Text(self.state.text).wrap(console, max(1, width - 4))  # inside the border and its padding
+            shown = Text("\n").join(list(rows)[-lines:])
+        return Panel(shown, title="text", title_align="left", border_style="white")
 
     def cache_panel(self) -> Panel:
         s = self.state
@@ -172,7 +194,8 @@ class PanelView:
         )
         return Panel(lines, title=title, title_align="left", border_style="magenta")
 
-    def scores_panel(self) -> Panel:
+    def scores_panel(self, spikes: int = 8) -> Panel:
+        """The sparkline, the newest ``spikes`` spikes and the bands (one row, cut to the width)."""
         s = self.state
         values = [score for _, score in s.scores]
         spike_positions = {p for p, _ in s.spikes}
@@ -180,7 +203,7 @@ class PanelView:
         rows: list[RenderableType] = [Sparkline(values, spike_index)]
         if s.spikes:
             listed = Text()
-            for i, (position, score) in enumerate(reversed(s.spikes)):
+            for i, (position, score) in enumerate(list(reversed(s.spikes))[:spikes]):
                 token = self.tokenizer.decode([s.token_at(position)], skip_special_tokens=True)
                 listed.append(("\n" if i else "") + f"▲ {score:+.2f}", style="bold red")
                 listed.append(f"  @{position:<6} {token!r}")
@@ -188,7 +211,7 @@ class PanelView:
         else:
             rows.append(Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
         if s.bands:
-            rows.append(Text(f"bands {s.bands}", style="dim"))
+            rows.append(Text(f"bands {s.bands}", style="dim", no_wrap=True, overflow="ellipsis"))
         return Panel(
             Group(*rows),
             title=f"epiphany scores (spikes: z > {s.spike_threshold:g})",
@@ -196,12 +219,49 @@ class PanelView:
             border_style="red",
         )
 
-    def render(self, with_text: bool = True) -> Group:
-        parts: list[RenderableType] = [self.text_panel()] if with_text else []
-        parts += [self.cache_panel(), self.spans_panel()]
-        if self.state.has_scores:
-            parts.append(self.scores_panel())
+    def render(self, with_text: bool = True, console: Console | None = None) -> Group:
+        """Every section; with ``console``, no taller than its terminal (a live display taller than the screen
+        cannot be redrawn in place: it would scroll, and leave fragments of frames above the text)."""
+        if console is None:
+            parts: list[RenderableType] = [self.text_panel()] if with_text else []
+            parts += [self.cache_panel(), self.spans_panel()]
+            if self.state.has_scores:
+                parts.append(self.scores_panel())
+            return Group(*parts)
+        layout = self.fit(console.height - 1, with_text)  # the last row holds the cursor
+        parts = [self.text_panel(layout.text, console, console.width)] if layout.text else []
+        parts.append(self.cache_panel())
+        if layout.spans:
+            parts.append(self.spans_panel(layout.spans))
+        if layout.spikes:
+            parts.append(self.scores_panel(layout.spikes))
         return Group(*parts)
+
+    def fit(self, rows: int, with_text: bool = True) -> PanelLayout:
+        """How many text rows, evicted spans and spikes fit in ``rows`` terminal rows: the cache panel always,
+        then as much as fits, shrinking the lists of spikes, spans and text in that order, then leaving out the
+        scores panel, then the spans panel."""
+        s = self.state
+        layout = PanelLayout(
+            text=self.text_lines if with_text else 0,
+            spans=SPANS_SHOWN,
+            spikes=SPIKES_SHOWN if s.has_scores else 0,
+        )
+
+        def height(layout: PanelLayout) -> int:
+            total = CACHE_ROWS
+            if layout.text:
+                total += 2 + layout.text
+            if layout.spans:
+                total += 3 + max(1, min(layout.spans, len(s.spans)))  # border, header, rows (or "nothing yet")
+            if layout.spikes:  # border, sparkline, spikes (or "no spikes yet"), the bands
+                total += 3 + max(1, min(layout.spikes, len(s.spikes))) + (1 if s.bands else 0)
+            return total
+
+        for name, floor in (("spikes", 1), ("spans", 1), ("text", 1), ("spikes", 0), ("spans", 0), ("text", 0)):
+            while height(layout) > rows and getattr(layout, name) > floor:
+                setattr(layout, name, getattr(layout, name) - 1)
+        return layout
 
 
 class LivePanel:
@@ -243,7 +303,7 @@ class LivePanel:
     def draw(self) -> None:
         if self.memory_probe is not None:
             self.state.memory_bytes = self.memory_probe()
-        self._live.update(self.view.render(), refresh=True)
+        self._live.update(self.view.render(console=self.console), refresh=True)
         self.draws += 1
 
 
@@ -332,7 +392,7 @@ def fidelity_table(rows, title: str, compact: bool = False) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
 
     def number(value, digits):
-        return "–" if value is None else f"{value:.{digits}f}"
+        return "–" if value is None else fixed(value, digits)
 
     columns = {
         "policy": lambda r: r.policy,
@@ -392,10 +452,18 @@ def status_line(console: Console, quiet: bool = False):
     return console.status("…") if console.is_terminal and not quiet else _NoStatus()
 
 
-def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: str) -> Table:
-    """``epikv calibrate``: Spearman correlation per layer, chosen bands marked."""
+def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: str, saved: str) -> Table:
+    """``epikv calibrate``: Spearman correlation per layer, chosen bands marked, and where they were saved."""
     chosen = dict(bands)
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption=f"bands saved to {saved}",
+        caption_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for name in ("layer", "ρ", "", "band"):
         table.add_column(name, justify="right" if name != "" else "left", no_wrap=True)
     scale = max((abs(r) for r in rho), default=1.0) or 1.0
@@ -408,6 +476,13 @@ def calibration_table(rho: list[float], bands: list[tuple[int, float]], title: s
             f"{chosen[layer]:+.0f}" if layer in chosen else "",
         )
     return table
+
+
+def fixed(value: float, digits: int) -> str:
+    """``value`` with ``digits`` decimals, never a negative zero: a KL of -3e-9 (float error about an exact 0) is
+    0.0000, not -0.0000."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def wide_console() -> Console:

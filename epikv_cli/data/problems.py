@@ -1,7 +1,7 @@
 """Prompts and problems for ``fidelity``, ``eval`` and ``calibrate``: files, datasets, the paper's protocol.
 
 A FILE is plain text (one prompt per line), JSONL with ``prompt`` or ``messages``, or a dataset such
-as ../shared/data/math500.jsonl whose question is in a field (``--field problem``; by default the
+as a MATH-500 export (``math500.jsonl``) whose question is in a field (``--field problem``; by default the
 first of ``problem``, ``question``) and whose reference answer is in ``--answer-field`` (default
 ``answer``). Prompts follow the EpiKV paper's protocol: the chat template with the system message
 :data:`PROTOCOL_SYSTEM` (a model without a chat template gets the instruction before the problem).
@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from epikv_cli.config import PromptSettings
 from epikv_cli.data.prompts import (
@@ -25,6 +23,9 @@ from epikv_cli.data.prompts import (
     prompt_file_missing,
 )
 from epikv_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION_FIELDS = ("problem", "question")
@@ -101,7 +102,7 @@ def load_problems(
         raise no_prompts(source)
     if not jsonl:
         return [Problem(n, n, prompt=line) for n, line in numbered]
-    problems = []
+    problems: list[Problem] = []
     for number, line in numbered:
         try:
             data = json.loads(line)
@@ -110,7 +111,21 @@ def load_problems(
         if not isinstance(data, dict):
             raise UsageError(f"{source}:{number}: a JSONL line must be an object")
         problems.append(_problem(number, data, field, answer_field, source))
+    refuse_duplicate_ids(str(source), problems)
     return problems
+
+
+def refuse_duplicate_ids(source: str, problems: list[Problem]) -> None:
+    """:class:`UsageError` when two problems share an id (``--resume`` skips by id: one would never run)."""
+    first: dict[str, int] = {}
+    for problem in problems:
+        key = json.dumps(problem.id, sort_keys=True)
+        if key in first:
+            raise UsageError(
+                f"{source}: lines {first[key]} and {problem.line} have the same id {json.dumps(problem.id)}; "
+                "give every prompt its own id (ids decide what --resume skips)"
+            )
+        first[key] = problem.line
 
 
 def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> list[Problem]:
@@ -120,8 +135,8 @@ def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> li
         import datasets  # noqa: PLC0415 (datasets: an optional extra (epikv[hub]), needed only for dataset names)
     except ImportError:
         raise UsageError(
-            f"--dataset {name} needs the 'datasets' package and the Hugging Face Hub; install it, or give a file: "
-            f"--dataset ../shared/data/{name if name != 'gsm8k' else 'gsm8k_test'}.jsonl"
+            f"--dataset {name} needs the 'datasets' package (pip install 'epikv[hub]') and the Hugging Face Hub; or "
+            f"give a local copy: --dataset {name}.jsonl (JSONL, a question and an 'answer' per line)"
         ) from None
     try:
         rows = datasets.load_dataset(repository, config, split=split)
@@ -131,11 +146,13 @@ def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> li
             "give a local file with --dataset PATH"
         ) from None
     stop = None if limit is None else offset + limit
-    return [
+    problems = [
         Problem(row.get("id", row.get("unique_id", i)), i + 1, prompt=row[question], answer=_answer(row.get("answer")))
         for i, row in enumerate(rows)
         if i >= offset and (stop is None or i < stop)
     ]
+    refuse_duplicate_ids(repository, problems)
+    return problems
 
 
 def protocol_ids(tokenizer, problem: Problem, system: str | None = PROTOCOL_SYSTEM) -> torch.Tensor:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from epikv_cli.config import PromptSettings
 from epikv_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -33,7 +35,13 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def prompt_file_missing(option: str, source) -> UsageError:
-    """The error for a prompt file (named by ``option``) that does not exist."""
+    """The error for a prompt file (named by ``option``) that does not exist; ``--dataset`` takes JSONL with answers
+    only (or a dataset name), other options plain text too."""
+    if option == "--dataset":
+        return UsageError(
+            f"--dataset {source}: file not found; give a JSONL file with a question and an 'answer' per line, or a "
+            "dataset name (math500, gsm8k, aime24, aime25, amc23; needs the Hugging Face Hub)"
+        )
     return UsageError(
         f"{option} {source}: file not found; give a plain-text file (one prompt per line) or a JSONL file"
     )
@@ -53,7 +61,7 @@ def require_text(prompt: str | None) -> str:
 
 def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
     """``[{"role": "system", ...}, {"role": "user", ...}]`` for one prompt."""
-    messages = [{"role": "system", "content": system}] if system else []
+    messages = [{"role": "system", "content": system}] if system is not None else []
     return messages + [{"role": "user", "content": prompt}]
 
 

@@ -12,7 +12,7 @@ negative the -1 band. The result is saved per model and picked up by ``generate`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,27 +104,50 @@ def window_labels(model, sequence: list[int], prompt_len: int, new_tokens: int) 
     return labels
 
 
+@dataclass
+class WindowSamples:
+    """The windows measured so far: each one's per-layer mean smoothed change (``features``) and its importance
+    (``labels``), and how many prompts they come from (a calibration interrupted part way keeps them)."""
+
+    features: list[list[float]] = field(default_factory=list)
+    labels: list[float] = field(default_factory=list)
+    prompts: int = 0
+
+    def correlations(self) -> list[float]:
+        """Per layer: Spearman's ρ of its feature with the labels."""
+        return [spearman(list(values), self.labels) for values in zip(*self.features)]
+
+
 def calibrate(
-    model, prompts_ids: list[torch.Tensor], new_tokens: int, advance=lambda text: None
+    model,
+    prompts_ids: list[torch.Tensor],
+    new_tokens: int,
+    advance=lambda text: None,
+    samples: WindowSamples | None = None,
 ) -> tuple[list[float], int]:
-    """Per-layer Spearman correlation of the smoothed hidden-state change with window importance."""
+    """Per-layer Spearman correlation of the smoothed hidden-state change with window importance, and the number of
+    windows. ``samples`` (new ones when None) gathers the windows prompt by prompt, for a caller that is interrupted."""
     if new_tokens < WINDOW + STRIDE:
         raise UsageError(
             f"--new-tokens must be at least {WINDOW + STRIDE} for {WINDOW}-token windows, got {new_tokens}"
         )
-    features: list[list[float]] = []
-    labels: list[float] = []
+    samples = samples if samples is not None else WindowSamples()
     for index, ids in enumerate(prompts_ids):
         advance(f"prompt {index + 1}/{len(prompts_ids)}: reference trace")
         tokens, changes = trace(model, ids, new_tokens)
         smooth = rolling_mean(changes)  # [layers, new_tokens]
         advance(f"prompt {index + 1}/{len(prompts_ids)}: window labels")
         # d(t) belongs to generated token t (its state against the one before); windows index the same tokens
-        for start, label in window_labels(model, ids[0].tolist() + tokens[:-1], ids.shape[1], new_tokens):
-            labels.append(label)
-            features.append(smooth[:, start : start + WINDOW].mean(dim=1).tolist())
-    per_layer = list(zip(*features))
-    return [spearman(list(values), labels) for values in per_layer], len(labels)
+        labelled = window_labels(model, ids[0].tolist() + tokens[:-1], ids.shape[1], new_tokens)
+        samples.labels.extend(label for _, label in labelled)
+        samples.features.extend(smooth[:, start : start + WINDOW].mean(dim=1).tolist() for start, _ in labelled)
+        samples.prompts += 1
+    return samples.correlations(), len(samples.labels)
+
+
+#: Fewer windows than this and a layer's ρ is mostly chance (its standard error is about 1 / sqrt(windows - 1)):
+#: calibrate says so.
+MIN_WINDOWS = 30
 
 
 def choose_bands(rho: list[float]) -> tuple[list[tuple[int, float]], str | None]:
@@ -162,13 +185,38 @@ class BandsMeasured:
     note: str | None
 
 
-def calibrate_bands(loaded, problems: list[Problem], new_tokens: int, advance=lambda text: None) -> BandsMeasured:
+def calibrate_bands(
+    loaded, problems: list[Problem], new_tokens: int, advance=lambda text: None, samples: WindowSamples | None = None
+) -> BandsMeasured:
     """Measure the loaded model's bands on ``problems`` and save them. ``advance(text)`` says which step is under
-    way."""
+    way; ``samples`` gathers the windows as they come (see :func:`bands_so_far`)."""
     prompts_ids = [protocol_ids(loaded.tokenizer, problem) for problem in problems]
-    rho, windows = calibrate(loaded.model, prompts_ids, new_tokens, advance)
+    rho, windows = calibrate(loaded.model, prompts_ids, new_tokens, advance, samples)
+    measured = bands_from(loaded, rho, windows, len(problems), new_tokens)
+    measured.calibration.path = str(save_calibration(measured.calibration, measured.calibration.model))
+    return measured
+
+
+def bands_so_far(loaded, samples: WindowSamples, new_tokens: int) -> BandsMeasured | None:
+    """What the windows of the prompts finished so far say (not saved: a calibration cut short is not the model's),
+    or None when no prompt finished or no layer correlates yet."""
+    if not samples.labels:
+        return None
+    try:
+        return bands_from(loaded, samples.correlations(), len(samples.labels), samples.prompts, new_tokens)
+    except UsageError:
+        return None
+
+
+def bands_from(loaded, rho: list[float], windows: int, prompts: int, new_tokens: int) -> BandsMeasured:
+    """The bands ``rho`` picks, with their notes (few windows, an unusual pattern), as a calibration of the loaded
+    model (``path`` empty until saved)."""
     bands, note = choose_bands(rho)
-    key = model_key(loaded.source)
-    calibration = Calibration(key, bands, [round(r, 4) for r in rho], windows, len(problems), new_tokens)
-    calibration.path = str(save_calibration(calibration, key))
+    if windows < MIN_WINDOWS:
+        few = (
+            f"the correlations rest on only {windows} windows, where |ρ| of 0.8 arises by chance: these bands are "
+            f"noise; calibrate on more prompts or a larger --new-tokens (at least {MIN_WINDOWS} windows)"
+        )
+        note = f"{few}; {note}" if note else few
+    calibration = Calibration(model_key(loaded.source), bands, [round(r, 4) for r in rho], windows, prompts, new_tokens)
     return BandsMeasured(calibration, rho, note)

@@ -85,7 +85,10 @@ def wilson(correct: int, total: int) -> tuple[float, float]:
     p = correct / total
     centre = (p + Z95**2 / (2 * total)) / (1 + Z95**2 / total)
     half = Z95 * math.sqrt(p * (1 - p) / total + Z95**2 / (4 * total**2)) / (1 + Z95**2 / total)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # at 0 or all correct the bound is exactly 0 or 1 (the float sum leaves 5.55e-17 and 0.9999999999999999)
+    low = 0.0 if correct == 0 else max(0.0, centre - half)
+    high = 1.0 if correct == total else min(1.0, centre + half)
+    return (low, high)
 
 
 @dataclass

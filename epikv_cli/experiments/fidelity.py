@@ -49,6 +49,10 @@ class BudgetSpec:
         specs = tuple(cls.parse(part) for part in list_items(text, "--budgets"))
         if not specs:
             raise UsageError("--budgets is empty; give budgets such as +64,+128,256")
+        texts = [spec.text for spec in specs]
+        twice = next((t for t in texts if texts.count(t) > 1), None)
+        if twice is not None:
+            raise UsageError(f"--budgets lists {twice} twice: {','.join(texts)}; give each budget once")
         return specs
 
     def resolve(self, prompt_len: int) -> int:
@@ -247,32 +251,45 @@ def summarise(records: list[dict], configs: list[Config]) -> list[SummaryRow]:
         values = {}
         for metric in METRICS:
             present = [r[metric] for r in found if r.get(metric) is not None]
-            values[metric] = round(statistics.fmean(present), 6) if present else None
+            values[metric] = statistics.fmean(present) if present else None  # JSON keeps every digit
         rows.append(SummaryRow(config.policy, config.budget.text, len(found), values))
     return rows
 
 
-def unfinished(problems: list[Problem], previous: list[dict]) -> list[Problem]:
-    """The problems whose id no earlier record (of an ``--output`` being resumed) holds."""
-    done = {json.dumps(r["id"]) for r in previous}
-    return [p for p in problems if json.dumps(p.id) not in done]
+def unfinished(
+    problems: list[Problem], configs: list[Config], previous: list[dict]
+) -> list[tuple[Problem, list[Config]]]:
+    """Each problem with the configs no earlier record (of an ``--output`` being resumed) holds for its id: all of
+    them for a new problem, the policies and budgets added since for a finished one; problems with none left out."""
+    done: dict[str, set[tuple[str, str]]] = {}
+    for record in previous:
+        done.setdefault(json.dumps(record["id"]), set()).update(
+            (result["policy"], result["budget"]) for result in record.get("results", [])
+        )
+    work = []
+    for problem in problems:
+        have = done.get(json.dumps(problem.id), set())
+        missing = [c for c in configs if (c.policy, c.budget.text) not in have]
+        if missing:
+            work.append((problem, missing))
+    return work
 
 
 def fidelity_records(
     loaded,
-    problems: list[Problem],
-    configs: list[Config],
+    work: list[tuple[Problem, list[Config]]],
     new_tokens: int,
     trace: bool = False,
     advance=lambda: None,
     status=lambda text: None,
 ) -> Iterator[dict]:
-    """One record per problem, as it finishes: the reference's length and repetition, and each config's results.
+    """One record per problem of ``work``, as it finishes: the reference's length and repetition, and the results
+    of the configs ``work`` pairs it with.
 
     ``status(text)`` names the problem about to run, ``advance()`` follows every reference token. ``trace``:
     each record also holds the reference token ids and every position's KL per config.
     """
-    for problem in problems:
+    for problem, configs in work:
         ids = protocol_ids(loaded.tokenizer, problem)
         status(f"prompt {problem.id} ({ids.shape[1]} tokens)")
         tokens, results = replay(loaded.model, ids, configs, new_tokens, advance, trace=trace)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from epikv_cli.config import ATTN_CHOICES, CacheSettings, SamplingSettings, list_items
+from epikv_cli.config import ATTN_CHOICES, MAX_TOKENS, CacheSettings, SamplingSettings, list_items
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.errors import UsageError
@@ -31,7 +31,7 @@ from epikv_cli.policies.registry import (
 )
 from epikv_cli.runtime.batched import BatchDecoder
 from epikv_cli.runtime.generation import Generation
-from epikv_cli.runtime.stream import input_device
+from epikv_cli.runtime.stream import context_length, input_device
 
 MIN_NEW_TOKENS = 8
 WARMUP_TOKENS = 8
@@ -93,6 +93,11 @@ class ProfileSettings:
             )
         if self.prompt_tokens < 1:
             raise UsageError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.prompt_tokens > MAX_TOKENS or self.new_tokens > MAX_TOKENS:
+            raise UsageError(
+                f"--prompt-tokens and --new-tokens must be at most {MAX_TOKENS}, got {self.prompt_tokens} and "
+                f"{self.new_tokens}"
+            )
         if self.budget < 1:
             raise UsageError(f"--budget must be a positive number of tokens, got {self.budget}")
         for run in self.runs:  # each policy's options, before any model loads
@@ -110,6 +115,17 @@ class ProfileSettings:
         return check_settings(
             CacheSettings(budget=self.budget if evicts(run.policy) else None, policy=run.policy, options=run.options)
         )
+
+    def check_context(self, model) -> None:
+        """The prompt and the new tokens must fit the model's context (profiling positions it was never trained on
+        measures nothing a user would run, and a huge prompt only fails to allocate)."""
+        limit = context_length(model)
+        if limit is not None and self.prompt_tokens + self.new_tokens > limit:
+            raise UsageError(
+                f"--prompt-tokens {self.prompt_tokens} and --new-tokens {self.new_tokens} go beyond the model's "
+                f"context of {limit} tokens (max_position_embeddings); give --prompt-tokens "
+                f"{max(1, limit - self.new_tokens)} or fewer"
+            )
 
     def check_budgets(self) -> None:
         """Every policy must accept this budget for this prompt, before anything runs."""
@@ -257,11 +273,14 @@ class PolicyReport:
     ratio_prefill_seconds: float = 1.0
     ratio_kv_cache_bytes: float = 1.0
     ratio_decode_peak_memory_bytes: float = 1.0
+    #: how many measured runs the medians are over (fewer than --repeats after Ctrl-C)
+    runs: int = 0
 
     @classmethod
     def from_runs(cls, label: str, runs: list[RunMeasure]) -> PolicyReport:
         speeds = [r.decode_tokens_per_s for r in runs]
         return cls(
+            runs=len(runs),
             policy=label,
             prefill_seconds=round(statistics.median(r.prefill_seconds for r in runs), 6),
             decode_tokens_per_s=round(statistics.median(speeds), 3),
@@ -289,9 +308,16 @@ class PolicyReport:
 
 
 def run_profile(
-    model, tokenizer, settings: ProfileSettings, ids: torch.Tensor, advance=lambda label: None
+    model,
+    tokenizer,
+    settings: ProfileSettings,
+    ids: torch.Tensor,
+    advance=lambda label: None,
+    measured: dict[str, list[RunMeasure]] | None = None,
 ) -> list[PolicyReport]:
-    """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run."""
+    """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run.
+    ``measured`` (label -> runs) gathers the runs as they finish, for a caller that is interrupted
+    (:func:`reports_of`)."""
     settings.check_budgets()
     for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
         measure(
@@ -304,14 +330,20 @@ def run_profile(
             settings.batch_size,
         )
         advance(f"warm-up {run.label}")
-    measured: dict[str, list[RunMeasure]] = {run.label: [] for run in settings.runs}
+    measured = measured if measured is not None else {}
+    measured.update({run.label: [] for run in settings.runs})
     for _ in range(settings.repeats):
         for run in settings.runs:
             measured[run.label].append(
                 measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size)
             )
             advance(run.label)
-    reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items()]
+    return reports_of(measured)
+
+
+def reports_of(measured: dict[str, list[RunMeasure]]) -> list[PolicyReport]:
+    """One report per policy with at least one finished run (medians over them), ratios to the first."""
+    reports = [PolicyReport.from_runs(label, runs) for label, runs in measured.items() if runs]
     for report in reports:
         report.relative_to(reports[0])
     return reports

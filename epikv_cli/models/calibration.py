@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from epikv_cli.errors import WriteError, writing
+from epikv_cli.errors import EpikvWarning, WriteError, writing
 from epikv_cli.models.demo import cache_dir
 
 
@@ -38,15 +39,23 @@ def bands_path(model_key: str) -> Path:
 
 
 def load_calibration(model_key: str) -> Calibration | None:
-    """The saved calibration of ``model_key`` (a resolved model path or Hub id), if any."""
+    """The saved calibration of ``model_key`` (a resolved model path or Hub id), if any; a file that cannot be read
+    is said (an :class:`~epikv_cli.errors.EpikvWarning` naming it) and left out."""
     path = bands_path(model_key)
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
         data["bands"] = [(int(layer), float(sign)) for layer, sign in data["bands"]]
         return Calibration(**{**data, "path": str(path)})
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else "not a saved calibration"
+        warnings.warn(
+            f"cannot read the calibrated bands {path} ({reason}); epikv uses its default bands. Run `epikv calibrate` "
+            "again, or delete the file",
+            EpikvWarning,
+            stacklevel=2,
+        )
         return None
 
 

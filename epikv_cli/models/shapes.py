@@ -6,11 +6,13 @@ without downloading anything. Configs follow the published ``config.json`` of ea
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.initialization import no_init_weights
+from typing import TYPE_CHECKING
 
 from epikv_cli.errors import ModelLoadError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 _LLAMA31_ROPE = {
     "rope_type": "llama3",
@@ -74,6 +76,8 @@ def shape_config(name: str) -> PretrainedConfig:
     """The config of a known shape."""
     if name not in SHAPES:
         raise UsageError(f"unknown --shape {name!r}; choose one of: {', '.join(sorted(SHAPES))}")
+    from transformers import AutoConfig  # noqa: PLC0415 (transformers: not for --help, which lists the shapes)
+
     fields = dict(SHAPES[name])
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
@@ -98,6 +102,10 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str = "cp
     tiled from one small random pool: each looks random at its own scale, and an 8B-parameter shape
     costs a memory copy instead of minutes of sampling on a CPU.
     """
+    import torch  # noqa: PLC0415 (torch: not for --help, which lists the shapes)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: as above)
+    from transformers.initialization import no_init_weights  # noqa: PLC0415 (transformers: as above)
+
     try:
         with no_init_weights(), torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -12,30 +12,19 @@ import importlib
 from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy
-
-#: The registered policies, one line each: ``"module:Class"``. Adding a policy is its file, its line here and
-#: ``make docs`` (docs/adding-a-policy.md); the tests iterate over :data:`POLICIES`.
-REGISTERED = (
-    "epikv_cli.policies.epikv:EpiKV",
-    "epikv_cli.policies.epikv2:EpiKV2",
-    "epikv_cli.policies.lagkv:LagKV",
-    "epikv_cli.policies.baselines:Streaming",
-    "epikv_cli.policies.baselines:RandomEviction",
-    "epikv_cli.policies.baselines:FullCache",
-    "epikv_cli.policies.h2o:H2O",
-    "epikv_cli.policies.tova:TOVA",
-    "epikv_cli.policies.rkv:RKV",
-    "epikv_cli.policies.knorm:KeyNorm",
-)
+from epikv_cli.policies.catalog import REGISTERED
 
 
-def _policy_class(target: str) -> type[Policy]:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _policy_class(name: str, target: str) -> type[Policy]:
+    module, _, attribute = target.partition(":")
+    cls = getattr(importlib.import_module(module), attribute)
+    if cls.name != name:
+        raise RuntimeError(f"the catalog registers {target} as {name!r}, but its name is {cls.name!r}")
+    return cls
 
 
-#: ``--policy`` name -> class.
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in map(_policy_class, REGISTERED)}
+#: ``--policy`` name -> class, for every policy of :data:`~epikv_cli.policies.catalog.REGISTERED`.
+POLICIES: dict[str, type[Policy]] = {name: _policy_class(name, target) for name, target in REGISTERED.items()}
 
 
 def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:

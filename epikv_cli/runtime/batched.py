@@ -29,7 +29,7 @@ from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
 from epikv_cli.runtime.step import Observed, choose, follow, observe
-from epikv_cli.runtime.stream import CacheStream, input_device
+from epikv_cli.runtime.stream import CacheStream, input_device, warn_beyond_context
 
 
 def union_needs(needs: list[AttentionNeeds | None]) -> AttentionNeeds | None:
@@ -103,6 +103,7 @@ class BatchDecoder:
 
     def add(self, ids: torch.Tensor, settings: CacheSettings, max_tokens: int | None = None) -> torch.Tensor:
         """Prefill ``ids`` ``[1, n]`` alone under ``settings`` and join the batch; return the ``[vocab]`` logits."""
+        warn_beyond_context(self.model, ids.shape[1])
         stream = CacheStream(self.model, settings, max_tokens=max_tokens, policy=self._policy_for(settings))
         try:
             logits = stream.feed(ids)

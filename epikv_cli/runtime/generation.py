@@ -30,7 +30,7 @@ from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.registry import make_policy
 from epikv_cli.runtime.session import EpiKVSession
-from epikv_cli.runtime.stream import forward_step, input_device
+from epikv_cli.runtime.stream import forward_step, input_device, warn_beyond_context
 from epikv_cli.runtime.textstream import IncrementalDetokenizer
 
 
@@ -92,8 +92,10 @@ class GenerationResult:
     peak_memory_bytes: int
     peak_memory_kind: str
     kv_cache_bytes: int
-    prefill_peak_memory_bytes: int = 0
-    decode_peak_memory_bytes: int = 0
+    #: each phase's own peak; None for a row of a batch, whose phases overlap other rows' (its
+    #: ``peak_memory_bytes`` is then the batch's peak while it ran)
+    prefill_peak_memory_bytes: int | None = None
+    decode_peak_memory_bytes: int | None = None
     token_ids: list[int] = field(repr=False, default_factory=list)
     policy_report: dict = field(default_factory=dict)
 
@@ -251,6 +253,7 @@ class Generation:
                 "for a batch, use epikv_cli.attach(model, ..., batch_size=N) with model.generate"
             )
         self.input_ids = input_ids
+        warn_beyond_context(model, input_ids.shape[1])
         self.cache_settings = cache
         self.sampling = sampling
         self.result: GenerationResult | None = None

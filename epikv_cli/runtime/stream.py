@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
 from epikv_cli.config import CacheSettings
+from epikv_cli.errors import EpikvWarning
 from epikv_cli.runtime.session import EpiKVSession
+
+
+def context_length(model) -> int | None:
+    """The most positions the model was trained for (``max_position_embeddings``), if its config says."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def warn_beyond_context(model, prompt_tokens: int) -> None:
+    """An :class:`~epikv_cli.errors.EpikvWarning` when a prompt is longer than the model's context: it runs (a
+    budget bounds the cache, not the positions), but the model never saw such positions in training."""
+    limit = context_length(model)
+    if limit is not None and prompt_tokens > limit:
+        warnings.warn(
+            f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
+            "(max_position_embeddings): it runs, but the model was not trained on positions beyond it",
+            EpikvWarning,
+            stacklevel=3,
+        )
 
 
 def forward_step(model, session: EpiKVSession, ids: torch.Tensor, logits_to_keep: bool = True) -> torch.Tensor:
