@@ -30,6 +30,7 @@ from transformers import AutoConfig
 from epikv_cli.config import CacheSettings
 from epikv_cli.core.cache import BudgetCache
 from epikv_cli.core.hostread import host_copies
+from epikv_cli.core.view import Moves
 from epikv_cli.models.shapes import shape_config
 from epikv_cli.policies.base import Signals
 from epikv_cli.policies.registry import make_policy, parse_policy_spec
@@ -67,7 +68,7 @@ def build(config, budget: int, policy_name: str, dtype: torch.dtype, seed: int):
         new = cache.commit()
         observed = observe(policy, Signals(new, False, states[i % len(states)], None, cache))
         evicted = cache.evict(choose(policy, observed, host_copies(observed.reads), cache))
-        follow(policy, evicted.holes, evicted.movers)
+        follow(policy, Moves(evicted.holes, evicted.movers))
 
     while cache.stored < budget:  # fill to K; from here every step evicts one token
         step(0)
