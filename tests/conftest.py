@@ -83,6 +83,12 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def pytest_collection_modifyitems(items):
+    """The long tests first, then the demo model's, then the rest (each group in its order): xdist's workers then
+    end together, instead of one running a long test alone at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("slow") is None))
+
+
 def pytest_collection_finish(session):
     """What is imported and collected by now (torch, transformers, the test modules: some 400k objects) lives to
     the end of the session: freeze it out of the garbage collector's sight. Each full collection (a Generation runs

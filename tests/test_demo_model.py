@@ -23,6 +23,7 @@ def demo():
     return load(ModelSettings())
 
 
+@pytest.mark.long
 def test_200_tokens_at_budget_64(demo):
     """A long real generation: once the cache is full it evicts at every step, never stores more than K, and
     streams exactly the text it returns. (It ran 320 tokens at K = 128, as `make demo` does; 210 tokens at
@@ -58,6 +59,7 @@ def test_cli_default_model_json(demo):
     assert data["text"].strip()
 
 
+@pytest.mark.long
 def test_gguf_file_loads_to_the_same_model(demo, capfd):
     ids = build_input_ids(demo.tokenizer, "Name three colours.")
     capfd.readouterr()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 from policy_removal import POLICY, copy_without_policy, run
 
 import epikv_cli
@@ -37,6 +38,7 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
     assert graph.chain_exists(importer="cyclic.b", imported="cyclic.a")
 
 
+@pytest.mark.long
 def test_a_policy_is_removed_by_removing_its_file_its_registry_line_and_its_tests(tmp_path):
     """docs/adding-a-policy.md's claim, in a copy without knorm: the package imports, the layer contracts and
     ruff hold, the completions are regenerated without it, and the whole suite still collects

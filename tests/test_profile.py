@@ -362,6 +362,7 @@ def save_probe_model(path, tokenizer) -> None:
     tokenizer.save_pretrained(path)
 
 
+@pytest.mark.long
 def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
     """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights."""
     save_probe_model(tmp_path, tokenizer)
@@ -382,6 +383,7 @@ def probe_worker(path, tokenizer, policy: str, kernel: str | None, reuse: bool) 
     return ProbeWorker(setup, reuse=reuse)
 
 
+@pytest.mark.long
 def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
     """What a failed prefill leaves in the worker's heap must not count against the next probe (a reused,
     CUDA, worker)."""
@@ -397,6 +399,7 @@ def test_a_failed_probe_gets_a_fresh_worker_for_the_next(tmp_path, tokenizer):
         worker.close()
 
 
+@pytest.mark.long
 def test_every_cpu_probe_gets_a_fresh_worker(tmp_path, tokenizer):
     """On a CPU a successful prefill's leftover heap would count against the next probe too (measured:
     a 16384-token prefill peaked at 2.6 GiB in a fresh process, 3.1 GiB after five shorter probes)."""

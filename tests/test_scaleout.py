@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from epikv_cli.runtime.scaleout import Ranks
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -31,6 +33,7 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.long
 def test_two_processes_write_one_merged_output(tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     lines = [json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) for i in range(7)]
@@ -199,6 +202,7 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
     assert summary["results"][0]["correct"] == 4 and summary["results"][0]["problems"] == 5
 
 
+@pytest.mark.long
 def test_two_nodes_on_localhost(tiny_model_dir, tmp_path):
     """The multi-node path: two torchrun "nodes" (one process each) meeting at a rendezvous endpoint."""
     import socket
