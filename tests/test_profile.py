@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
 from epikv_cli.config import ModelSettings
+from epikv_cli.experiments import maxcontext as maxcontext_module
 from epikv_cli.experiments import profile as profile_module
 from epikv_cli.experiments.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
 from epikv_cli.experiments.profile import PolicyRun, ProfileSettings, flatness
@@ -363,8 +364,11 @@ def save_probe_model(path, tokenizer) -> None:
 
 
 @pytest.mark.long
-def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer):
-    """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights."""
+def test_max_context_eager_h2o_runs_out_before_epikv(tmp_path, tokenizer, monkeypatch):
+    """Real probes in worker processes: the authors' eager H2O keeps every layer's n x n weights. (The search
+    stops within 512 tokens instead of 64: three probes, each a fresh process, fewer; test_search checks the
+    bisection.)"""
+    monkeypatch.setattr(maxcontext_module, "RESOLUTION_TOKENS", 512)
     save_probe_model(tmp_path, tokenizer)
     result = invoke("--model", str(tmp_path), "--max-context", "--memory-limit", "700MiB", "--json", "-q")
     assert result.exit_code == 0, result.stderr
