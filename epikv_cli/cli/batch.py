@@ -40,7 +40,15 @@ from epikv_cli.config import (
     PromptSettings,
     SamplingSettings,
 )
-from epikv_cli.data.fingerprint import cache_run, check_resume, model_run, prompt_digest, prompt_run, sampling_run
+from epikv_cli.data.fingerprint import (
+    Fingerprint,
+    cache_run,
+    check_resume,
+    model_run,
+    prompt_digest,
+    prompt_run,
+    sampling_run,
+)
 from epikv_cli.data.jsonl import (
     JsonlWriter,
     finished_ids,
@@ -398,11 +406,13 @@ def _release_memory(error: Exception) -> None:
         torch.cuda.empty_cache()
 
 
-def _record(item: PromptItem, run: dict, text=None, stats=None, error=None, rank: Ranks | None = None) -> dict:
+def _record(
+    item: PromptItem, fingerprint: Fingerprint, text=None, stats=None, error=None, rank: Ranks | None = None
+) -> dict:
     record = {"id": item.id, "line": item.line}
     record.update({"messages": item.messages} if item.messages is not None else {"prompt": item.prompt})
     record.update({"text": text, "stats": stats, "error": error})
-    record.update({"prompt_sha256": prompt_digest(item.prompt, item.messages), "run": run})
+    fingerprint.stamp(record)
     if rank is not None and rank.world > 1:
         record["rank"] = rank.rank
     return record
@@ -453,20 +463,15 @@ def run_batch(
         raise UsageError("several processes cannot share stdin; give --prompts a file")
     items = read_prompt_file(files.prompts, cache, sampling)
     previous = read_results(files.output) if files.resume and files.output is not None else []
-    runs = {id_key(item.id): _run(model_settings, prompt_settings, item) for item in items}
-    check_resume(
-        files.output,
-        previous,
-        {
-            id_key(item.id): (
-                prompt_digest(item.prompt, item.messages),
-                runs[id_key(item.id)],
-                f"{files.prompts} line {item.line}",
-            )
-            for item in items
-            if item.error is None
-        },
-    )
+    fingerprints = {
+        id_key(item.id): Fingerprint(
+            prompt_digest(item.prompt, item.messages),
+            _run(model_settings, prompt_settings, item),
+            f"{files.prompts} line {item.line}",
+        )
+        for item in items
+    }
+    check_resume(files.output, previous, {id_key(i.id): fingerprints[id_key(i.id)] for i in items if i.error is None})
     if ranks.is_main:
         _prepare_output(files, items, previous)
     done = finished_ids(previous)
@@ -501,12 +506,12 @@ def run_batch(
                 if result is None:
                     failures += 1
                     report(item, item.error)
-                    writer.write(_record(item, runs[id_key(item.id)], error=item.error, rank=ranks))
+                    writer.write(_record(item, fingerprints[id_key(item.id)], error=item.error, rank=ranks))
                     progress.update(task, advance=1)
                     continue
                 stats = result.to_dict()
                 stats.pop("text")
-                writer.write(_record(item, runs[id_key(item.id)], text=result.text, stats=stats, rank=ranks))
+                writer.write(_record(item, fingerprints[id_key(item.id)], text=result.text, stats=stats, rank=ranks))
                 speed = f"{result.decode_tokens_per_s:.1f} tok/s" if result.decode_tokens_per_s else ""
                 progress.update(task, advance=1, status=speed)
         ranks.barrier()  # everyone has written

@@ -11,7 +11,7 @@ import sys
 from rich.console import Console
 
 from epikv_cli.cli.ui import eval_table, progress_bar, wide_console
-from epikv_cli.data.fingerprint import check_resume, model_run, prompt_digest
+from epikv_cli.data.fingerprint import Fingerprint, model_run, problem_fingerprints, resumable
 from epikv_cli.data.jsonl import JsonlWriter, id_key, read_results, sort_by_line
 from epikv_cli.data.problems import Problem
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
@@ -29,15 +29,14 @@ def run_eval(
     files,
     ranks,
     previous: list[dict],
-    run: dict,
+    fingerprints: dict[str, Fingerprint],
     quiet: bool = False,
     batch_size: int = 1,
 ) -> tuple[list[dict], int]:
     """Every problem x config not yet in ``previous`` (the records of the output being resumed); returns all
-    records and the exit status. Each record carries its prompt's digest and ``run``."""
+    records and the exit status. Each record carries its prompt's fingerprint."""
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    digests = {id_key(p.id): prompt_digest(p.prompt, p.messages) for p in problems}
     if ranks.is_main and files.output is not None and not files.resume:
         files.output.write_text("", encoding="utf-8")
     mine = ranks.shard(remaining(problems, configs, previous))
@@ -51,7 +50,7 @@ def run_eval(
             task = progress.add_task("eval", total=len(mine), status="")
             for record in eval_records(loaded, mine, max_new_tokens, batch_size):
                 progress.update(task, status=f"{record['id']} {record['policy']} {record['budget']}")
-                record.update(prompt_sha256=digests[id_key(record["id"])], run=run)
+                fingerprints[id_key(record["id"])].stamp(record)
                 if ranks.world > 1:
                     record["rank"] = ranks.rank
                 records.append(record)
@@ -109,17 +108,22 @@ def eval_command(
     if ranks.world > 1 and files.output is None:
         raise UsageError("several processes need --output FILE.jsonl to write one merged result")
     run = {**model_run(model_settings), "max_new_tokens": max_new_tokens}
-    previous = read_results(files.output) if files.resume and files.output is not None else []
-    check_resume(
-        files.output,
-        previous,
-        {id_key(p.id): (prompt_digest(p.prompt, p.messages), run, f"{dataset} line {p.line}") for p in problems},
-    )
+    fingerprints = problem_fingerprints(problems, run, dataset)
+    previous = resumable(files.output, files.resume, fingerprints)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
     loaded = load(placed, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
     records, code = run_eval(
-        loaded, problems, configs, max_new_tokens, files, ranks, previous, run, quiet=quiet, batch_size=batch_size
+        loaded,
+        problems,
+        configs,
+        max_new_tokens,
+        files,
+        ranks,
+        previous,
+        fingerprints,
+        quiet=quiet,
+        batch_size=batch_size,
     )
     if not ranks.is_main:
         return code

@@ -10,21 +10,12 @@ from pathlib import Path
 from rich.console import Console
 
 from epikv_cli.cli.ui import fidelity_table, progress_bar, wide_console
-from epikv_cli.data.fingerprint import check_resume, model_run, prompt_digest
-from epikv_cli.data.jsonl import JsonlWriter, id_key, read_results
+from epikv_cli.data.fingerprint import Fingerprint, model_run, problem_fingerprints, resumable
+from epikv_cli.data.jsonl import JsonlWriter, id_key
 from epikv_cli.data.problems import Problem
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.experiments.fidelity import Config, SummaryRow, fidelity_records, summarise, unfinished
 from epikv_cli.models.loading import load
-
-
-def resumable(output: Path | None, resume: bool, problems: list[Problem], run: dict, source: str) -> list[dict]:
-    """The records of ``output`` that ``--resume`` continues (none without it), checked against this run's prompts
-    and ``run`` settings (:func:`~epikv_cli.data.fingerprint.check_resume`), before any model loads."""
-    previous = read_results(output) if resume and output is not None else []
-    expected = {id_key(p.id): (prompt_digest(p.prompt, p.messages), run, f"{source} line {p.line}") for p in problems}
-    check_resume(output, previous, expected)
-    return previous
 
 
 def run_fidelity(
@@ -34,12 +25,12 @@ def run_fidelity(
     new_tokens: int,
     output: Path | None,
     previous: list[dict],
-    run: dict,
+    fingerprints: dict[str, Fingerprint],
     quiet: bool = False,
     trace: bool = False,
 ) -> tuple[list[SummaryRow], int]:
     """Replay every problem and config not already in ``previous`` (the records of ``output`` being resumed);
-    return the summary and exit status. Each record carries its prompt's digest and ``run``. ``trace``: each record
+    return the summary and exit status. Each record carries its prompt's fingerprint. ``trace``: each record
     also holds the reference token ids and every position's KL per config."""
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -53,7 +44,6 @@ def run_fidelity(
         )
     if output is not None and not previous:
         output.write_text("", encoding="utf-8")
-    digests = {id_key(p.id): prompt_digest(p.prompt, p.messages) for p in problems}
     records = [r for r in previous if "results" in r]
     writer = JsonlWriter(output) if output is not None else None
     interrupted = False
@@ -68,7 +58,7 @@ def run_fidelity(
                 advance=lambda: progress.advance(task),
                 status=lambda text: progress.update(task, status=text),
             ):
-                record.update(prompt_sha256=digests[id_key(record["id"])], run=run)
+                fingerprints[id_key(record["id"])].stamp(record)
                 records.append(record)
                 if writer is not None:
                     writer.write(record)
@@ -107,11 +97,12 @@ def fidelity_command(
         raise UsageError("--trace writes every position's KL into the per-prompt records; give --output FILE")
     problems = problems_from()
     run = {**model_run(model_settings), "new_tokens": new_tokens}
-    previous = resumable(files.output, files.resume, problems, run, str(files.prompts))
+    fingerprints = problem_fingerprints(problems, run, str(files.prompts))
+    previous = resumable(files.output, files.resume, fingerprints)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
     rows, code = run_fidelity(
-        loaded, problems, configs, new_tokens, files.output, previous, run, quiet=quiet, trace=trace
+        loaded, problems, configs, new_tokens, files.output, previous, fingerprints, quiet=quiet, trace=trace
     )
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:

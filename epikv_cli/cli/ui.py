@@ -181,7 +181,7 @@ class PanelView:
             return f"{s.spans.total} in {len(s.spans)} spans"
         return f"{s.evicted_total} per KV head; by every head {s.spans.total}, in {len(s.spans)} spans"
 
-    def spans_panel(self, count: int = 6) -> Panel:
+    def spans_panel(self, count: int = SPANS_SHOWN) -> Panel:
         lines = Text(f"{'positions':>13}  {'n':>5}  text", style="dim")
         for span in self.state.spans.newest(count):
             where = f"{span.start}–{span.end}"
@@ -194,7 +194,7 @@ class PanelView:
         )
         return Panel(lines, title=title, title_align="left", border_style="magenta")
 
-    def scores_panel(self, spikes: int = 8) -> Panel:
+    def scores_panel(self, spikes: int = SPIKES_SHOWN) -> Panel:
         """The sparkline, the newest ``spikes`` spikes and the bands (one row, cut to the width)."""
         s = self.state
         values = [score for _, score in s.scores]
@@ -223,13 +223,11 @@ class PanelView:
         """Every section; with ``console``, no taller than its terminal (a live display taller than the screen
         cannot be redrawn in place: it would scroll, and leave fragments of frames above the text)."""
         if console is None:
-            parts: list[RenderableType] = [self.text_panel()] if with_text else []
-            parts += [self.cache_panel(), self.spans_panel()]
-            if self.state.has_scores:
-                parts.append(self.scores_panel())
-            return Group(*parts)
-        layout = self.fit(console.height - 1, with_text)  # the last row holds the cursor
-        parts = [self.text_panel(layout.text, console, console.width)] if layout.text else []
+            layout = self.full_layout(with_text)
+        else:
+            layout = self.fit(console.height - 1, with_text)  # the last row holds the cursor
+        width = console.width if console is not None else None
+        parts: list[RenderableType] = [self.text_panel(layout.text, console, width)] if layout.text else []
         parts.append(self.cache_panel())
         if layout.spans:
             parts.append(self.spans_panel(layout.spans))
@@ -237,16 +235,17 @@ class PanelView:
             parts.append(self.scores_panel(layout.spikes))
         return Group(*parts)
 
+    def full_layout(self, with_text: bool = True) -> PanelLayout:
+        """Every section at its full size (a static print, or a terminal tall enough)."""
+        spikes = SPIKES_SHOWN if self.state.has_scores else 0
+        return PanelLayout(text=self.text_lines if with_text else 0, spans=SPANS_SHOWN, spikes=spikes)
+
     def fit(self, rows: int, with_text: bool = True) -> PanelLayout:
         """How many text rows, evicted spans and spikes fit in ``rows`` terminal rows: the cache panel always,
         then as much as fits, shrinking the lists of spikes, spans and text in that order, then leaving out the
         scores panel, then the spans panel."""
         s = self.state
-        layout = PanelLayout(
-            text=self.text_lines if with_text else 0,
-            spans=SPANS_SHOWN,
-            spikes=SPIKES_SHOWN if s.has_scores else 0,
-        )
+        layout = self.full_layout(with_text)
 
         def height(layout: PanelLayout) -> int:
             total = CACHE_ROWS

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from epikv_cli.config import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
-from epikv_cli.data.jsonl import id_key
+from epikv_cli.data.jsonl import id_key, read_results
 from epikv_cli.errors import UsageError
 
 #: What to do about a refused resume.
@@ -58,18 +59,41 @@ def prompt_run(settings: PromptSettings) -> dict[str, Any]:
     return {"system": settings.system, "chat_template": settings.chat_template}
 
 
-def check_resume(path: Path, records: list[dict], expected: dict[str, tuple[str, dict, str]]) -> None:
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one prompt's result lines carry: its prompt's digest and the run's settings; ``where`` the prompt comes
+    from (``six.txt line 3``), for messages."""
+
+    prompt_sha256: str
+    run: dict
+    where: str
+
+    def stamp(self, record: dict) -> dict:
+        """``record`` with ``prompt_sha256`` and ``run`` added."""
+        record.update(prompt_sha256=self.prompt_sha256, run=self.run)
+        return record
+
+
+def problem_fingerprints(problems, run: dict, source: str) -> dict[str, Fingerprint]:
+    """Id key -> :class:`Fingerprint` of every problem (``.id``, ``.line``, ``.prompt``, ``.messages``) of
+    ``source``, all under ``run``."""
+    return {
+        id_key(p.id): Fingerprint(prompt_digest(p.prompt, p.messages), run, f"{source} line {p.line}") for p in problems
+    }
+
+
+def check_resume(path: Path, records: list[dict], expected: dict[str, Fingerprint]) -> None:
     """Refuse (:class:`UsageError`, one line) to continue ``path`` when one of its finished ``records`` answers
     an id of this run differently.
 
-    ``expected``: id key (:func:`~epikv_cli.data.jsonl.id_key`) -> (prompt digest, run settings, where the
-    prompt comes from, e.g. ``six.txt line 3``). Lines with an error are retried anyway and not checked; lines
-    whose id this run does not hold are kept as they are.
+    ``expected``: id key (:func:`~epikv_cli.data.jsonl.id_key`) -> its :class:`Fingerprint`. Lines with an error are
+    retried anyway and not checked; lines whose id this run does not hold are kept as they are.
     """
     for record in records:
         if record.get("error") is not None or id_key(record["id"]) not in expected:
             continue
-        digest, run, where = expected[id_key(record["id"])]
+        fingerprint = expected[id_key(record["id"])]
+        digest, run, where = fingerprint.prompt_sha256, fingerprint.run, fingerprint.where
         if "run" not in record or "prompt_sha256" not in record:
             raise UsageError(
                 f"--resume: {path} holds results without the prompts and settings they came from (an older epikv "
@@ -86,6 +110,15 @@ def check_resume(path: Path, records: list[dict], expected: dict[str, tuple[str,
                 f"--resume: {path} was written with {key} = {json.dumps(before)}, this run has {key} = "
                 f"{json.dumps(now)} (id {json.dumps(record['id'])}); {REFUSED}"
             )
+
+
+def resumable(output: Path | None, resume: bool, fingerprints: dict[str, Fingerprint]) -> list[dict]:
+    """The records of ``output`` that ``--resume`` continues (none without it), checked against this run's
+    ``fingerprints`` (:func:`~epikv_cli.data.fingerprint.check_resume`), before any model loads. Shared by fidelity
+    and eval."""
+    previous = read_results(output) if resume and output is not None else []
+    check_resume(output, previous, fingerprints)
+    return previous
 
 
 def first_difference(before: dict, now: dict) -> tuple[str, Any, Any] | None:

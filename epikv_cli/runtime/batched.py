@@ -23,11 +23,12 @@ from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.keepsets import HeadVictims
 from epikv_cli.core.rows import FULL, SLIDING, RowsCache, RowView
 from epikv_cli.core.scratch import ScratchHold
-from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
+from epikv_cli.core.taps import HiddenStateTaps
 from epikv_cli.core.view import Moves, Victims
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.base import Policy, Signals
 from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.session import set_up
 from epikv_cli.runtime.step import Observed, choose, follow, observe
 from epikv_cli.runtime.stream import CacheStream, input_device, warn_beyond_context
 
@@ -66,7 +67,7 @@ class BatchDecoder:
         self.dtype = next(model.parameters()).dtype
         #: the policies of the rows to come, one per settings given, built now to declare what they read (taps,
         #: attention); each goes to the first row with its settings (:meth:`_policy_for`)
-        self._unused = [(setting, self._new_policy(setting)) for setting in settings]
+        self._unused = [(setting, set_up(model, make_policy(setting))) for setting in settings]
         probes = [policy for _, policy in self._unused]
         self.taps = HiddenStateTaps(model, sorted({layer for p in probes for layer in p.tap_layers()}))
         self.taps.active = False
@@ -81,18 +82,13 @@ class BatchDecoder:
         self._pads: list[int] = []  # per row: the padding before its prompt, during a batched prefill
         self._scratch = ScratchHold()
 
-    def _new_policy(self, settings: CacheSettings) -> Policy:
-        policy = make_policy(settings)
-        policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
-        return policy
-
     def _policy_for(self, settings: CacheSettings) -> Policy:
         """A new row's policy: the unused one built for ``settings``, else a new one."""
         for index, (setting, policy) in enumerate(self._unused):
             if setting == settings:
                 del self._unused[index]
                 return policy
-        return self._new_policy(settings)
+        return set_up(self.model, make_policy(settings))
 
     @property
     def batch(self) -> int:

@@ -48,6 +48,12 @@ class ForwardRecord:
     evicted: list[int] = field(default_factory=list)  # logical positions
 
 
+def set_up(model: nn.Module, policy: Policy) -> Policy:
+    """``policy`` set up for ``model``: its number of decoder blocks and its saved calibration, if any."""
+    policy.setup(len(decoder_blocks(model)), getattr(model, "epikv_calibration", None))
+    return policy
+
+
 class EpiKVSession:
     """Owns a :class:`BudgetCache`, the policy that evicts from it and the hooks that feed the policy.
 
@@ -59,7 +65,7 @@ class EpiKVSession:
     ) -> None:
         self.model = model
         self.settings = settings
-        self.policy: Policy = self._new_policy(policy)
+        self.policy: Policy = set_up(model, policy or make_policy(settings))
         budget = settings.budget if self.policy.evicts else None
         self.cache = BudgetCache(
             model.config,
@@ -86,15 +92,9 @@ class EpiKVSession:
         ]
         self._scratch = ScratchHold()
 
-    def _new_policy(self, policy: Policy | None = None) -> Policy:
-        """``policy`` (made from these settings, not yet set up), or a new one, set up for this model."""
-        policy = policy or make_policy(self.settings)
-        policy.setup(len(decoder_blocks(self.model)), getattr(self.model, "epikv_calibration", None))
-        return policy
-
     def _reset(self) -> None:
         """The cache was reset for a new sequence: start the policy and the records afresh."""
-        self.policy = _POLICIES[self.cache] = self._new_policy()
+        self.policy = _POLICIES[self.cache] = set_up(self.model, make_policy(self.settings))
         self._fresh = True
         self.last = ForwardRecord()
         self.pending = None
