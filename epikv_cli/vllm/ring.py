@@ -1,0 +1,333 @@
+"""Each request's bounded cache inside vLLM: one ring of C = K + B slots per layer, its slot tables and its policy.
+
+vLLM gives every request one page per layer for its whole life (:mod:`epikv_cli.vllm.backend`'s ring spec): the
+page of request block ``b`` in layer ``l`` is ``buffers[l][b]``, ``[kv_heads, C, 2 * head_dim]`` (keys, then
+values, along the last axis). This module owns what lives in those pages. It is plain torch, so it is tested
+without vLLM, and it runs the same decode step as the transformers engine: the slot tables and the eviction of
+:mod:`epikv_cli.core.cache` (:class:`SlotTable`, :func:`evict_heads`, :func:`move_entries`), and the policy half
+of :mod:`epikv_cli.runtime.step`. A policy sees a request through a :class:`RingView`, a
+:class:`~epikv_cli.core.view.CacheView` like any other.
+
+One forward of vLLM holds tokens of several requests, each a row: ``(block, computed, first, last)``, its tokens
+``first .. last - 1`` of the forward at logical positions ``computed ..``. A row with ``computed == 0`` is a new
+request's whole prompt (chunked prefill is off); every other row is one decode token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from epikv_cli.config import CacheSettings
+from epikv_cli.core.attention import AttentionRecord
+from epikv_cli.core.cache import SlotTable, evict_heads, move_entries
+from epikv_cli.core.hostread import host_copies
+from epikv_cli.core.keepsets import HeadSlots
+from epikv_cli.core.view import Moves
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy, Signals
+from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.step import choose, follow, observe
+
+#: The policies this engine runs; any other is refused with the engines that support it.
+VLLM_POLICIES = ("streaming", "epikv", "epikv2")
+
+
+def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
+    """C: the slots a request's ring holds, K + max(1, slack) (a step attends over K + 1 entries before its
+    policy brings the cache back to K)."""
+    if settings.budget is None:
+        raise UsageError("--engine vllm needs a --budget (the ring each request holds is K + 1 slots)")
+    return settings.budget + max(1, slack)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's share of a forward: its ring block, the tokens it had computed before, and its tokens
+    ``first .. last - 1`` in the forward's flattened batch."""
+
+    block: int
+    computed: int
+    first: int
+    last: int
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first
+
+
+@dataclass
+class RingRequest:
+    """One request's ring: its slot table (shared keep-sets) or per-head slots (granular ones), and its policy.
+
+    Attributes:
+        queries: evicting layer -> the newest query vectors ``[heads, n, head_dim]`` (after RoPE), at most
+            ``policy.attention_needs.queries`` of them in all (policies that read queries only).
+    """
+
+    block: int
+    policy: Policy
+    table: SlotTable
+    heads: HeadSlots | None = None
+    queries: dict[int, deque] = field(default_factory=dict)
+    evicted_total: int = 0
+    peak_stored: int = 0
+    trace: list[list[int]] | None = None
+    write: torch.Tensor | None = None  # [layers, heads] this step's per-head slots (a granular vacancy), or None
+    start: int = 0  # this step's first slot (every head, when ``write`` is None)
+
+
+class RingView:
+    """One request's ring as its policy sees it (a :class:`~epikv_cli.core.view.CacheView`)."""
+
+    def __init__(self, cache: RingCache, request: RingRequest) -> None:
+        self.cache = cache
+        self.request = request
+        self.budget = cache.settings.budget if request.policy.evicts else None
+        self.head_slots = request.heads
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.table.prompt_len or 0
+
+    @property
+    def seen(self) -> int:
+        return self.request.table.seen
+
+    @property
+    def stored(self) -> int:
+        return self.request.table.stored
+
+    @property
+    def evicting_layers(self) -> list[int]:
+        return list(range(self.cache.num_layers))
+
+    def live_positions(self) -> torch.Tensor:
+        return self.request.table.live_positions()
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        return [self.request.table.slot_of[p] for p in positions]
+
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, used = self.request.block, self.request.table.used
+        keys, values = self.cache.kv(index)
+        return keys[b : b + 1, :, :used], values[b : b + 1, :, :used]
+
+
+class RingCache:
+    """Every request's ring in one worker, by block id, with the step that writes, attends and evicts.
+
+    Args:
+        settings: the policy and its budget, the same for every request of the engine.
+        num_layers: decoder blocks (every one full attention, so every one evicts).
+        capacity: C, each ring's slots.
+        scaling: the softmax scale of ``q . k``.
+        calibration: the model's saved calibration (EpiKV's bands), if any.
+        trace: keep, per request in the order they were admitted, the logical positions each step evicted
+            (:attr:`traces`; for tests that compare engines step by step).
+    """
+
+    def __init__(
+        self,
+        settings: CacheSettings,
+        num_layers: int,
+        capacity: int,
+        scaling: float,
+        calibration=None,
+        trace: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.scaling = scaling
+        self.calibration = calibration
+        self.buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.requests: dict[int, RingRequest] = {}
+        self.traces: list[list[list[int]]] | None = [] if trace else None
+        probe = make_policy(settings)  # what every request's policy will ask of the forward
+        probe.setup(num_layers, calibration)
+        self.tap_layers = probe.tap_layers()
+        self.query_width = probe.attention_needs.queries if probe.attention_needs is not None else 0
+        if probe.attention_needs is not None and (probe.attention_needs.received or probe.attention_needs.last_row):
+            raise UsageError(f"policy {settings.policy!r} reads attention weights, which --engine vllm does not record")
+        self.rows: list[Row] = []
+        self.hidden: dict[int, torch.Tensor] = {}  # tap layer -> [tokens, hidden] this forward's block outputs
+        self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._head_slots: torch.Tensor | None = None  # [layers, tokens, heads] when some row writes per head
+
+    # -- the pages vLLM allocated ----------------------------------------------------------------------
+    def bind(self, layer: int, pages: torch.Tensor) -> None:
+        """Layer ``layer``'s pages ``[blocks, kv_heads, C, 2 * head_dim]``."""
+        if pages.shape[2] != self.capacity:
+            raise RuntimeError(f"layer {layer}: pages of {pages.shape[2]} slots, the ring needs {self.capacity}")
+        self.buffers[layer] = pages
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages."""
+        pages = self.buffers[layer]
+        half = pages.shape[-1] // 2
+        return pages[..., :half], pages[..., half:]
+
+    # -- one forward ------------------------------------------------------------------------------------
+    def begin(self, rows: list[Row]) -> None:
+        """Before a forward: take new requests in (``computed == 0``) and plan where every row writes."""
+        self.rows = [row for row in rows if row.block != 0]  # block 0: vLLM's padding rows, which write nothing
+        self.hidden = {}
+        starts, per_head = [], False
+        for row in self.rows:
+            request = self.requests.get(row.block)
+            if row.computed == 0:
+                request = self._admit(row)
+            elif request is None or row.count != 1:
+                raise UsageError(
+                    "--engine vllm runs each prompt in one forward and then one token per step; "
+                    "keep chunked prefill, prefix caching and speculative decoding off"
+                )
+            first = request.table.seen
+            plan = request.table.append(row.count)
+            request.start = plan.start
+            request.write = request.heads.append(plan.start, row.count, first) if request.heads is not None else None
+            per_head |= request.write is not None
+            starts.append(plan.start)
+        self._plan(starts, per_head)
+
+    def _admit(self, row: Row) -> RingRequest:
+        """A new request (or one vLLM preempted and now recomputes from its start) in block ``row.block``."""
+        if row.count > self.capacity:
+            raise UsageError(
+                f"a {row.count}-token prompt does not fit a ring of {self.capacity} slots; on --engine vllm "
+                "the whole prompt must fit the budget: raise --budget or shorten the prompt"
+            )
+        policy = make_policy(self.settings)
+        policy.setup(self.num_layers, self.calibration)
+        policy.check_budget(row.count, self.settings.budget)
+        heads = None
+        if policy.granular:
+            first = self.buffers[0]
+            heads = HeadSlots(self.num_layers, first.shape[1], first.device)
+        request = RingRequest(row.block, policy, SlotTable(self.capacity, track=not policy.granular), heads)
+        if self.traces is not None:
+            request.trace = []
+            self.traces.append(request.trace)
+        self.requests[row.block] = request
+        return request
+
+    def _plan(self, starts: list[int], per_head: bool) -> None:
+        """The ``(block, head, slot)`` index of every token and KV head this forward writes, for every layer."""
+        if not self.rows:
+            self._index = None
+            return
+        device = self.buffers[0].device
+        heads = self.buffers[0].shape[1]
+        blocks = torch.cat([torch.full((row.count,), row.block, dtype=torch.long) for row in self.rows])
+        slots = torch.cat([torch.arange(start, start + row.count) for row, start in zip(self.rows, starts)])
+        tokens = blocks.numel()
+        self._index = (
+            blocks.to(device)[:, None].expand(tokens, heads),
+            torch.arange(heads, device=device)[None, :].expand(tokens, heads),
+            slots.to(device)[:, None].expand(tokens, heads),
+        )
+        self._head_slots = None
+        if per_head:  # a granular row fills each (layer, head)'s own vacant slot
+            grid = self._index[2][None].expand(self.num_layers, tokens, heads).clone()
+            for row in self.rows:
+                write = self.requests[row.block].write
+                if write is not None:
+                    grid[:, row.first - self.rows[0].first] = write.to(device)
+            self._head_slots = grid
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Write this forward's ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into the rings and return the
+        attention output ``[tokens, heads, head_dim]`` of ``query`` ``[tokens, heads, head_dim]`` (tokens of
+        rows vLLM padded get zeros)."""
+        output = torch.zeros_like(query)
+        if self._index is None:
+            return output
+        keys, values = self.kv(layer)
+        base = self.rows[0].first
+        end = self.rows[-1].last
+        blocks, heads, slots = self._index
+        if self._head_slots is not None:
+            slots = self._head_slots[layer]
+        keys.index_put_((blocks, heads, slots), key[base:end].to(keys.dtype))
+        values.index_put_((blocks, heads, slots), value[base:end].to(values.dtype))
+        for row in self.rows:
+            request = self.requests[row.block]
+            used = request.table.used
+            q = query[row.first : row.last].transpose(0, 1)[None]  # [1, heads, q, dim]
+            k = keys[row.block : row.block + 1, :, :used]
+            v = values[row.block : row.block + 1, :, :used]
+            out = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), is_causal=row.count > 1, scale=self.scaling, enable_gqa=True
+            )
+            output[row.first : row.last] = out[0].transpose(0, 1)
+            if self.query_width:
+                ring = request.queries.setdefault(layer, deque(maxlen=self.query_width))
+                ring.append(q[0, :, -self.query_width :].clone())
+        return output
+
+    def tap(self, layer: int, output: torch.Tensor) -> None:
+        """Decoder block ``layer``'s output ``[tokens, hidden]`` this forward (taps the policy asked for)."""
+        self.hidden[layer] = output
+
+    def finish(self) -> list[tuple[int, list[int]]]:
+        """After the forward: each row's policy sees it, and its ring is brought back within the budget.
+        Returns ``(block, evicted positions)`` per row."""
+        pending = []
+        for row in self.rows:
+            request = self.requests[row.block]
+            table = request.table
+            appended = range(table.committed, table.seen)
+            table.committed = table.seen
+            if table.prompt_len is None:
+                table.prompt_len = len(appended)
+            hidden = {layer: states[row.first : row.last][None] for layer, states in self.hidden.items()}
+            record = None
+            if self.query_width:
+                record = AttentionRecord(
+                    queries={
+                        layer: torch.cat(list(ring), dim=1)[:, -self.query_width :]
+                        for layer, ring in request.queries.items()
+                    },
+                    scaling=dict.fromkeys(range(self.num_layers), self.scaling),
+                )
+            view = RingView(self, request)
+            signals = Signals(appended, appended.start == 0, hidden, record, view)
+            pending.append((request, view, observe(request.policy, signals)))
+        reads = [tensor for _, _, observed in pending for tensor in observed.reads]
+        values = host_copies(reads)
+        evicted = []
+        done = 0
+        for request, view, observed in pending:
+            mine = values[done : done + len(observed.reads)]
+            done += len(observed.reads)
+            request.peak_stored = max(request.peak_stored, view.stored)
+            victims = choose(request.policy, observed, mine, view)
+            positions = self._evict(request, victims)
+            if request.trace is not None:
+                request.trace.append(sorted(positions))
+            evicted.append((request.block, positions))
+        self.hidden = {}
+        return evicted
+
+    def _evict(self, request: RingRequest, victims) -> list[int]:
+        """Drop ``victims`` from every layer of ``request``'s ring; return the logical positions that left."""
+        if not victims:
+            return []
+        buffers = [self.kv(layer) for layer in range(self.num_layers)]
+        if request.heads is not None:
+            count = len(victims)
+            evict_heads(request.heads, request.table, victims, buffers, request.block)
+            request.evicted_total += count
+            return victims.gone
+        table = request.table
+        positions = table.positions[victims].tolist()
+        holes, movers = table.plan_eviction(victims)
+        if holes:
+            move_entries(buffers, [request.block] * len(holes), holes, movers, buffers[0][0].device)
+        follow(request.policy, Moves(holes, movers))
+        request.evicted_total += len(positions)
+        return positions
