@@ -126,8 +126,8 @@ class RingCache:
         capacity: C, each ring's slots.
         scaling: the softmax scale of ``q . k``.
         calibration: the model's saved calibration (EpiKV's bands), if any.
-        trace: keep, per request in the order they were admitted, the logical positions each step evicted
-            (:attr:`traces`; for tests that compare engines step by step).
+        trace: keep every request, in the order they were admitted (:attr:`admitted`), with the logical positions
+            each of its steps evicted (``trace``; for tests that compare engines step by step).
     """
 
     def __init__(
@@ -146,7 +146,7 @@ class RingCache:
         self.calibration = calibration
         self.buffers: list[torch.Tensor | None] = [None] * num_layers
         self.requests: dict[int, RingRequest] = {}
-        self.traces: list[list[list[int]]] | None = [] if trace else None
+        self.admitted: list[RingRequest] | None = [] if trace else None
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
@@ -209,9 +209,9 @@ class RingCache:
             first = self.buffers[0]
             heads = HeadSlots(self.num_layers, first.shape[1], first.device)
         request = RingRequest(row.block, policy, SlotTable(self.capacity, track=not policy.granular), heads)
-        if self.traces is not None:
+        if self.admitted is not None:
             request.trace = []
-            self.traces.append(request.trace)
+            self.admitted.append(request)
         self.requests[row.block] = request
         return request
 

@@ -1,0 +1,96 @@
+"""Build a vLLM engine that runs epikv's policies, and read back what each request's ring did.
+
+:func:`engine_arguments` is the one place that knows which vLLM settings the plugin needs (the ring per request
+cannot follow chunked prefill, prefix caching or speculative decoding, and runs eagerly); the CLI, the tests and
+the benchmarks build their ``vllm.LLM`` from it. ``policy full`` gives stock vLLM, the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from transformers import AutoConfig
+
+from epikv_cli.config import CacheSettings
+from epikv_cli.errors import UsageError
+from epikv_cli.vllm.ring import VLLM_POLICIES, RingCache
+from epikv_cli.vllm.settings import architecture_for, config_for
+
+#: vLLM's own engine in this process, not in a child: it starts in seconds and ``ring_of`` can read the rings.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How vLLM runs the model.
+
+    Attributes:
+        model: a local model directory (or a Hub id vLLM can fetch).
+        dtype: ``auto``, ``float32``, ``bfloat16``, ``float16``.
+        max_model_len: the longest sequence (prompt + new tokens) a request may reach.
+        kv_cache_bytes: memory for every request's cache (None: vLLM's share of the device).
+        max_num_seqs: most requests decoded together.
+        tensor_parallel: tensor-parallel ranks.
+        seed: vLLM's seed (sampling).
+        trace: keep each request's evictions step by step (:attr:`RingCache.traces`, tests).
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    tensor_parallel: int = 1
+    seed: int = 0
+    trace: bool = False
+
+
+def check_policy(settings: CacheSettings) -> None:
+    """:class:`UsageError` for a policy this engine does not run, naming the engines that run it."""
+    if settings.policy != "full" and settings.policy not in VLLM_POLICIES:
+        raise UsageError(
+            f"policy {settings.policy!r} runs on --engine transformers only; --engine vllm runs "
+            f"{', '.join(VLLM_POLICIES)} and full"
+        )
+
+
+def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (and ``vllm serve``'s flags) that run ``cache``'s policy on ``engine``."""
+    check_policy(cache)
+    arguments = {
+        "model": engine.model,
+        "dtype": engine.dtype,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": engine.max_num_seqs,
+        "tensor_parallel_size": engine.tensor_parallel,
+        "seed": engine.seed,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+    }
+    if engine.kv_cache_bytes is not None:
+        arguments["kv_cache_memory_bytes"] = engine.kv_cache_bytes
+    if cache.policy == "full":
+        return arguments
+    stock = AutoConfig.from_pretrained(engine.model).architectures
+    extra = config_for(cache)
+    extra["epikv"]["trace"] = engine.trace
+    arguments.update(
+        hf_overrides={"architectures": [architecture_for(stock)]},
+        additional_config=extra,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=engine.max_model_len,
+    )
+    return arguments
+
+
+def build_engine(cache: CacheSettings, engine: VllmSettings):
+    """A ``vllm.LLM`` running ``cache``'s policy (stock vLLM for ``full``)."""
+    from vllm import LLM  # noqa: PLC0415 (vllm: seconds to import, only when an engine is built)
+
+    return LLM(**engine_arguments(cache, engine))
+
+
+def ring_of(llm) -> RingCache:
+    """The rings of ``llm``'s first worker (an engine built by :func:`build_engine`, in this process)."""
+    return llm.apply_model(lambda model: model.epikv_ring)[0]
