@@ -213,6 +213,10 @@ class SamplingSettings:
         return self.temperature < GREEDY_BELOW
 
 
+#: The engines a model runs on: epikv's transformers loop, or vLLM with epikv's plugin.
+ENGINES = ("transformers", "vllm")
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """Which model to load and how to place it.
@@ -227,6 +231,7 @@ class ModelSettings:
             weights, instead of ``model``.
         layers: keep only this many decoder layers of a shape or config.json.
         compile: ``torch.compile`` the model's forward (the eviction bookkeeping stays outside it).
+        engine: ``transformers`` (epikv's own loop) or ``vllm`` (the plugin in vLLM, docs/vllm.md).
     """
 
     model: str | None = None
@@ -236,8 +241,11 @@ class ModelSettings:
     shape: str | None = None
     layers: int | None = None
     compile: bool = False
+    engine: str = "transformers"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attn not in ATTN_CHOICES:

@@ -28,6 +28,7 @@ from epikv_cli.config import (
     DEFAULT_POLICY,
     DEVICE_MAP_NAMES,
     DTYPES,
+    ENGINES,
     POSITION_MODES,
     CacheSettings,
     ModelSettings,
@@ -164,6 +165,7 @@ PolicyName = Enum("PolicyName", {name: name for name in POLICY_NAMES}, type=str)
 PositionMode = Enum("PositionMode", {name: name for name in POSITION_MODES}, type=str)
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)
 AttnKind = Enum("AttnKind", {name: name for name in ATTN_CHOICES}, type=str)
+EngineName = Enum("EngineName", {name: name for name in ENGINES}, type=str)
 
 # Option panels of `epikv generate --help`.
 MODEL, CACHE, SAMPLING, PROMPT, OUTPUT, BATCH = (
@@ -224,6 +226,15 @@ def _use_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+EngineOption = Annotated[
+    EngineName,
+    typer.Option(
+        metavar="ENGINE",
+        rich_help_panel=MODEL,
+        help="transformers (epikv's own loop, every policy) or vllm (epikv's plugin in vLLM: streaming, epikv, "
+        "epikv2; docs/vllm.md).",
+    ),
+]
 DTypeOption = Annotated[
     DType,
     typer.Option(
@@ -467,6 +478,7 @@ def generate(
         typer.Argument(metavar="PROMPT", help="Prompt text, or '-' to read it from stdin.", show_default=False),
     ] = None,
     model: ModelOption = None,
+    engine: EngineOption = EngineName.transformers,
     shape: ShapeOption = None,
     layers: LayersOption = None,
     compile_model: CompileOption = False,
@@ -641,9 +653,18 @@ def generate(
         ignore_eos=ignore_eos,
     )
     model_settings = ModelSettings(
-        model=model, device_map=device_map, dtype=dtype, attn=attn, shape=shape, layers=layers, compile=compile_model
+        model=model,
+        device_map=device_map,
+        dtype=dtype,
+        attn=attn,
+        shape=shape,
+        layers=layers,
+        compile=compile_model,
+        engine=engine.value,
     )
     prompt_settings = PromptSettings(system=_clean("--system", system, quiet), chat_template=chat_template)
+    if engine.value == "vllm":
+        _check_vllm_run(model_settings, cache, panel)
     if prompts is not None:
         if prompt is not None:
             raise UsageError("give either a PROMPT or --prompts FILE, not both")
@@ -660,6 +681,10 @@ def generate(
         raise UsageError("--output, --resume, --overwrite and --batch-size go with --prompts FILE")
     elif prompt is None:
         raise UsageError("no prompt given; pass the text as an argument, or '-' to read it from stdin")
+    elif engine.value == "vllm":
+        from epikv_cli.cli.generate import run_generate_vllm  # noqa: PLC0415 (torch: when a command runs)
+
+        code = run_generate_vllm(model_settings, prompt_settings, cache, sampling, prompt, json_output, quiet)
     else:
         code = run_generate(
             model_settings,
@@ -673,6 +698,24 @@ def generate(
             spike_threshold=spike_threshold,
         )
     return code
+
+
+def _check_vllm_run(model_settings: ModelSettings, cache: CacheSettings, panel: bool | None) -> None:
+    """What ``--engine vllm`` refuses before anything loads (one line each)."""
+    from epikv_cli.cli.vllm_run import check_model_settings, require_vllm  # noqa: PLC0415 (torch: ditto)
+    from epikv_cli.vllm.ring import VLLM_POLICIES  # noqa: PLC0415 (torch: ditto)
+
+    if cache.policy not in (*VLLM_POLICIES, "full"):
+        raise UsageError(
+            f"policy {cache.policy!r} runs on --engine transformers only; --engine vllm runs "
+            f"{', '.join(VLLM_POLICIES)} and full"
+        )
+    if panel:
+        raise UsageError("--panel follows the transformers engine's steps; drop it, or use --engine transformers")
+    if cache.positions != "logical":
+        raise UsageError("--positions compressed is the transformers engine's paper harness; drop it on --engine vllm")
+    check_model_settings(model_settings)
+    require_vllm()
 
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))

@@ -34,6 +34,7 @@ from rich.console import Console
 
 from epikv_cli.cli.generate import NO_TEMPLATE_NOTE
 from epikv_cli.cli.ui import progress_bar
+from epikv_cli.cli.vllm_run import vllm_results
 from epikv_cli.config import (
     CacheSettings,
     ModelSettings,
@@ -461,6 +462,11 @@ def run_batch(
         raise UsageError("several processes need --output FILE.jsonl to write one merged result")
     if ranks.world > 1 and files.prompts == STDIN:
         raise UsageError("several processes cannot share stdin; give --prompts a file")
+    if ranks.world > 1 and model_settings.engine == "vllm":
+        raise UsageError(
+            "--engine vllm runs as one process (vLLM parallelises itself: docs/vllm.md); drop the launcher"
+        )
+    log = None if quiet else (lambda m: err.print(f"[dim]{m}[/dim]"))
     items = read_prompt_file(files.prompts, cache, sampling)
     previous = read_results(files.output) if files.resume and files.output is not None else []
     fingerprints = {
@@ -490,9 +496,11 @@ def run_batch(
         ranks.barrier()  # OUT is ready before anyone appends to it
         writer = JsonlWriter(files.output)
         loaded = None
-        if any(item.error is None for item in mine):
+        if model_settings.engine == "vllm":
+            outcomes = vllm_results(model_settings, prompt_settings, cache, mine, batch_size, log)
+        elif any(item.error is None for item in mine):
             placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
-            loaded = load(placed, None if quiet else (lambda m: err.print(f"[dim]{m}[/dim]")))
+            loaded = load(placed, log)
             if (
                 prompt_settings.chat_template
                 and not has_chat_template(loaded.tokenizer)
@@ -502,7 +510,9 @@ def run_batch(
                 print(f"epikv: {NO_TEMPLATE_NOTE}", file=sys.stderr, flush=True)
         with progress_bar(err, disable=quiet or not ranks.is_main) as progress:
             task = progress.add_task("prompts", total=len(mine), status="")
-            for item, result in _outcomes(loaded, mine, prompt_settings, batch_size):
+            if model_settings.engine != "vllm":
+                outcomes = _outcomes(loaded, mine, prompt_settings, batch_size)
+            for item, result in outcomes:
                 if result is None:
                     failures += 1
                     report(item, item.error)

@@ -184,3 +184,46 @@ def run_generate(
         print(interruption_line(result.generated_tokens, not json_output), file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def run_generate_vllm(
+    model_settings: ModelSettings,
+    prompt_settings: PromptSettings,
+    cache: CacheSettings,
+    sampling: SamplingSettings,
+    prompt: str | None,
+    json_output: bool = False,
+    quiet: bool = False,
+) -> int:
+    """``epikv generate --engine vllm PROMPT``: the text as it comes (or the JSON object), then the summary line;
+    the same results as :func:`run_generate`'s. Ctrl-C keeps the text printed and exits 130."""
+    from epikv_cli.cli.vllm_run import OnePrompt, print_text, vllm_results  # noqa: PLC0415 (vllm: only here)
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    log = (lambda message: None) if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
+    item = OnePrompt(
+        read_prompt(prompt, lambda message: None if quiet else print(f"epikv: {message}", file=sys.stderr)),
+        cache,
+        sampling,
+    )
+    result = None
+    try:
+        with writing("stdout"):
+            for _, outcome in vllm_results(
+                model_settings, prompt_settings, cache, [item], 1, log, None if json_output else print_text
+            ):
+                result = outcome
+    except KeyboardInterrupt:
+        print(interruption_line(0 if result is None else result.generated_tokens, not json_output), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result is None:
+        raise UsageError(item.error or "the vLLM engine returned no result")
+    if json_output:
+        with writing("stdout"):
+            print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+    else:
+        with writing("stdout"):
+            print(flush=True)
+        if not quiet:
+            err.print(f"[dim]{summary_line(result)}[/dim]")
+    return 0

@@ -31,8 +31,12 @@ def prompt_digest(prompt: str | None, messages: list | None = None) -> str:
 
 
 def model_run(settings: ModelSettings) -> dict[str, Any]:
-    """The model settings that change results: which model, how many of its layers, its dtype."""
-    return {"model": settings.shape or settings.model or "demo", "layers": settings.layers, "dtype": settings.dtype}
+    """The model settings that change results: which model, how many of its layers, its dtype, and the engine when it
+    is not the transformers one (the engines' float sums differ)."""
+    run = {"model": settings.shape or settings.model or "demo", "layers": settings.layers, "dtype": settings.dtype}
+    if settings.engine != "transformers":
+        run["engine"] = settings.engine
+    return run
 
 
 def cache_run(settings: CacheSettings) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
 import torch
+import transformers
 from torch import nn
 
 from epikv_cli.config import CacheSettings
@@ -54,6 +55,23 @@ def set_up(model: nn.Module, policy: Policy) -> Policy:
     return policy
 
 
+#: The oldest transformers this engine runs on: its forward takes ``cache=`` and has no ``cache_position``.
+TRANSFORMERS_ENGINE_MIN = (5, 24)
+
+
+def require_transformers_engine() -> None:
+    """:class:`UsageError` when the installed transformers is older than the transformers engine needs (vLLM's venv
+    has 5.19: vLLM 0.32 pins it below 5.20)."""
+    version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if version < TRANSFORMERS_ENGINE_MIN:
+        needed = ".".join(map(str, TRANSFORMERS_ENGINE_MIN))
+        raise UsageError(
+            f"the transformers engine needs transformers {needed} or newer and this environment has "
+            f"{transformers.__version__} (vLLM 0.32 pins it below 5.20): use --engine vllm here, or the transformers "
+            "engine from a venv of its own (docs/vllm.md)"
+        )
+
+
 class EpiKVSession:
     """Owns a :class:`BudgetCache`, the policy that evicts from it and the hooks that feed the policy.
 
@@ -63,6 +81,7 @@ class EpiKVSession:
     def __init__(
         self, model: nn.Module, settings: CacheSettings, max_tokens: int | None = None, policy: Policy | None = None
     ) -> None:
+        require_transformers_engine()
         self.model = model
         self.settings = settings
         self.policy: Policy = set_up(model, policy or make_policy(settings))

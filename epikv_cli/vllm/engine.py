@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
-from epikv_cli.vllm.ring import VLLM_POLICIES, RingCache
+from epikv_cli.vllm.ring import VLLM_POLICIES, RingCache, ring_capacity
 from epikv_cli.vllm.settings import architecture_for, config_for
 
 #: vLLM's own engine in this process, not in a child: it starts in seconds and ``ring_of`` can read the rings.
@@ -33,7 +33,9 @@ class VllmSettings:
         max_num_seqs: most requests decoded together.
         tensor_parallel: tensor-parallel ranks.
         seed: vLLM's seed (sampling).
-        trace: keep each request's evictions step by step (:attr:`RingCache.traces`, tests).
+        trace: keep each request's evictions step by step (:attr:`RingCache.admitted`, tests).
+        report: keep each request's ring until its result claims it (:meth:`RingCache.claim`).
+        progress: vLLM's progress bar while it loads the weights.
     """
 
     model: str
@@ -44,6 +46,8 @@ class VllmSettings:
     tensor_parallel: int = 1
     seed: int = 0
     trace: bool = False
+    report: bool = False
+    progress: bool = True
 
 
 def check_policy(settings: CacheSettings) -> None:
@@ -67,6 +71,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         "seed": engine.seed,
         "enforce_eager": True,
         "enable_prefix_caching": False,
+        "use_tqdm_on_load": engine.progress,
     }
     if engine.kv_cache_bytes is not None:
         arguments["kv_cache_memory_bytes"] = engine.kv_cache_bytes
@@ -74,7 +79,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         return arguments
     stock = AutoConfig.from_pretrained(engine.model).architectures
     extra = config_for(cache)
-    extra["epikv"]["trace"] = engine.trace
+    extra["epikv"].update(trace=engine.trace, report=engine.report)
     arguments.update(
         hf_overrides={"architectures": [architecture_for(stock)]},
         additional_config=extra,
@@ -94,3 +99,16 @@ def build_engine(cache: CacheSettings, engine: VllmSettings):
 def ring_of(llm) -> RingCache:
     """The rings of ``llm``'s first worker (an engine built by :func:`build_engine`, in this process)."""
     return llm.apply_model(lambda model: model.epikv_ring)[0]
+
+
+def request_bytes(model: str, cache: CacheSettings, max_model_len: int, dtype: str) -> int:
+    """The KV memory one request takes on this engine: every layer's ring of C = K + 1 slots (stock vLLM, for
+    ``full``: ``max_model_len`` slots in 128-token blocks), keys and values."""
+    config = AutoConfig.from_pretrained(model)
+    text = config.get_text_config(decoder=True)
+    heads = text.num_key_value_heads or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    width = {"float32": 4, "auto": 4 if str(getattr(text, "dtype", "")) in ("float32", "torch.float32") else 2}
+    element = width.get(dtype, 2)
+    slots = ring_capacity(cache) if cache.policy != "full" else -(-max_model_len // 128) * 128
+    return text.num_hidden_layers * slots * heads * 2 * head_dim * element

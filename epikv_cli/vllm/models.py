@@ -84,8 +84,15 @@ class EpiKVMixin:
         stock = [block.self_attn.attn for block in blocks]
         if any(getattr(layer, "sliding_window", None) for layer in stock):
             raise UsageError("--engine vllm supports models whose every layer is full attention")
-        trace = bool((vllm_config.additional_config or {}).get("epikv", {}).get("trace"))
-        ring = RingCache(settings, len(blocks), ring_capacity(settings), stock[0].impl.scale, trace=trace)
+        flags = (vllm_config.additional_config or {}).get("epikv", {})
+        ring = RingCache(
+            settings,
+            len(blocks),
+            ring_capacity(settings),
+            stock[0].impl.scale,
+            trace=bool(flags.get("trace")),
+            report=bool(flags.get("report")),
+        )
         self.epikv_ring = ring
         self._epikv_first = stock[0].layer_name
         for index, (block, layer) in enumerate(zip(blocks, stock)):
@@ -97,7 +104,7 @@ class EpiKVMixin:
         metadata = get_forward_context().attn_metadata
         step = metadata.get(self._epikv_first) if isinstance(metadata, dict) else None
         if step is not None:
-            self.epikv_ring.begin(step.rows)
+            self.epikv_ring.begin(step.rows, input_ids)
         output = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         if step is not None:
             self.epikv_ring.finish()

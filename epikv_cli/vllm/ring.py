@@ -15,6 +15,8 @@ request's whole prompt (chunked prefill is off); every other row is one decode t
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +36,11 @@ from epikv_cli.runtime.step import choose, follow, observe
 
 #: The policies this engine runs; any other is refused with the engines that support it.
 VLLM_POLICIES = ("streaming", "epikv", "epikv2")
+
+
+def prompt_key(ids: list[int]) -> str:
+    """A request's prompt token ids as a short key (its SHA-256)."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
 
 def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
@@ -128,6 +135,8 @@ class RingCache:
         calibration: the model's saved calibration (EpiKV's bands), if any.
         trace: keep every request, in the order they were admitted (:attr:`admitted`), with the logical positions
             each of its steps evicted (``trace``; for tests that compare engines step by step).
+        report: keep each request until :meth:`claim` takes it by its prompt (the CLI reads each result's
+            evictions and policy report so; a server, which never claims, leaves it off).
     """
 
     def __init__(
@@ -138,6 +147,7 @@ class RingCache:
         scaling: float,
         calibration=None,
         trace: bool = False,
+        report: bool = False,
     ) -> None:
         self.settings = settings
         self.num_layers = num_layers
@@ -147,6 +157,7 @@ class RingCache:
         self.buffers: list[torch.Tensor | None] = [None] * num_layers
         self.requests: dict[int, RingRequest] = {}
         self.admitted: list[RingRequest] | None = [] if trace else None
+        self.reports: dict[str, deque[RingRequest]] | None = {} if report else None
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
@@ -172,8 +183,10 @@ class RingCache:
         return pages[..., :half], pages[..., half:]
 
     # -- one forward ------------------------------------------------------------------------------------
-    def begin(self, rows: list[Row]) -> None:
-        """Before a forward: take new requests in (``computed == 0``) and plan where every row writes."""
+    def begin(self, rows: list[Row], input_ids: torch.Tensor | None = None) -> None:
+        """Before a forward: take new requests in (``computed == 0``) and plan where every row writes.
+        ``input_ids`` ``[tokens]``: the forward's tokens (to file each new request under its prompt, with
+        ``report``)."""
         self.rows = [row for row in rows if row.block != 0]  # block 0: vLLM's padding rows, which write nothing
         self.hidden = {}
         starts, per_head = [], False
@@ -181,6 +194,9 @@ class RingCache:
             request = self.requests.get(row.block)
             if row.computed == 0:
                 request = self._admit(row)
+                if self.reports is not None and input_ids is not None:
+                    key = prompt_key(input_ids[row.first : row.last].tolist())
+                    self.reports.setdefault(key, deque()).append(request)
             elif request is None or row.count != 1:
                 raise UsageError(
                     "--engine vllm runs each prompt in one forward and then one token per step; "
@@ -268,6 +284,20 @@ class RingCache:
                 ring = request.queries.setdefault(layer, deque(maxlen=self.query_width))
                 ring.append(q[0, :, -self.query_width :].clone())
         return output
+
+    def claim(self, prompt_ids: list[int]) -> RingRequest | None:
+        """The oldest request not yet claimed whose prompt was ``prompt_ids`` (with ``report``), or None."""
+        queue = (self.reports or {}).get(prompt_key(prompt_ids))
+        if not queue:
+            return None
+        request = queue.popleft()
+        if not queue:
+            del self.reports[prompt_key(prompt_ids)]
+        return request
+
+    def request_bytes(self) -> int:
+        """The KV memory one request holds, in every layer's page (C slots, keys and values): bounded by K."""
+        return sum(pages[0].numel() * pages.element_size() for pages in self.buffers if pages is not None)
 
     def tap(self, layer: int, output: torch.Tensor) -> None:
         """Decoder block ``layer``'s output ``[tokens, hidden]`` this forward (taps the policy asked for)."""

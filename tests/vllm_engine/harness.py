@@ -20,8 +20,9 @@ KV_BYTES = 512 << 20
 
 
 def transformers_reference(policy: str, budget: int, new: int, prompts: list[list[int]], model: str) -> list[dict]:
-    """The transformers engine's greedy run of ``prompts`` (token ids) under ``policy`` and K = ``budget``: per prompt
-    its ``tokens``, each step's ``evicted`` positions and top-2 logit ``gaps`` (``reference.py``)."""
+    """The transformers engine's greedy run of ``prompts`` (token ids) under ``policy`` and K = ``budget``, in the main
+    venv (``reference.py``, on every core: vLLM's engine waits meanwhile): per prompt its ``tokens``, each step's
+    ``evicted`` positions and top-2 logit ``gaps``."""
     python = os.environ.get("EPIKV_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     job = {"model": model, "dtype": "float32", "policy": policy, "budget": budget, "new": new, "prompts": prompts}
     done = subprocess.run(

@@ -1,0 +1,167 @@
+"""Generate on the vLLM engine: a queue of prompts in, one :class:`GenerationResult` per prompt out, as each ends.
+
+The same results as the transformers engine's (``--json``, the JSONL lines of ``--prompts``), so that scripts read
+either. vLLM schedules the requests (continuous batching); each request's ring reports its evictions and its
+policy's report (:meth:`~epikv_cli.vllm.ring.RingCache.claim`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.core.memory import peak_memory
+from epikv_cli.errors import UsageError
+from epikv_cli.policies.registry import make_policy
+from epikv_cli.runtime.batchgen import Request
+from epikv_cli.runtime.generation import GenerationResult
+from epikv_cli.vllm.engine import ring_of
+from epikv_cli.vllm.ring import ring_capacity
+
+
+def sampling_params(sampling: SamplingSettings, eos_ids: set[int]) -> SamplingParams:
+    """vLLM's sampling for epikv's ``sampling`` (greedy below the greedy temperature; stop texts; EOS ids)."""
+    return SamplingParams(
+        temperature=0.0 if sampling.greedy else sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k else -1,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        max_tokens=sampling.max_new_tokens,
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=sorted(eos_ids) if not sampling.ignore_eos else None,
+    )
+
+
+@dataclass
+class _Running:
+    request: Request
+    started: float
+    first_token: float | None = None
+    texts: list[str] = field(default_factory=list)
+
+
+class VllmGeneration:
+    """Iterate for ``(key, GenerationResult or UsageError)`` pairs as requests finish (like
+    :class:`~epikv_cli.runtime.batchgen.BatchedGeneration`).
+
+    Args:
+        llm: an engine from :func:`~epikv_cli.vllm.engine.build_engine` (``report=True``) for ``cache``.
+        requests: the queue; a request whose cache settings are not ``cache`` fails with a UsageError (one engine
+            runs one policy and budget).
+        cache: the engine's settings.
+        eos_ids: the model's end-of-sequence tokens.
+        on_text: called with ``(key, new text)`` as each request's text grows (streaming output), if given.
+    """
+
+    def __init__(
+        self,
+        llm,
+        requests: Iterable[Request],
+        cache: CacheSettings,
+        eos_ids: set[int],
+        on_text: Callable[[Any, str], None] | None = None,
+    ) -> None:
+        self.llm = llm
+        self.requests = requests
+        self.cache = cache
+        self.eos_ids = eos_ids
+        self.on_text = on_text
+        self.ring = ring_of(llm) if cache.policy != "full" else None
+
+    def _refusal(self, request: Request) -> UsageError | None:
+        """Why ``request`` cannot run on this engine, or None."""
+        if request.cache != self.cache:
+            return UsageError(
+                "on --engine vllm every prompt runs under the command's --policy, --budget and policy options; "
+                "drop this line's own cache settings"
+            )
+        length = request.input_ids.shape[1]
+        try:
+            if self.cache.policy != "full":
+                make_policy(self.cache).check_budget(length, self.cache.budget)
+                if length > ring_capacity(self.cache):
+                    raise UsageError(
+                        f"the {length}-token prompt does not fit --budget {self.cache.budget} on --engine vllm, which "
+                        "holds the whole prompt: raise --budget"
+                    )
+        except UsageError as error:
+            return error
+        return None
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        engine = self.llm.llm_engine
+        running: dict[str, _Running] = {}
+        for number, request in enumerate(self.requests):
+            refusal = self._refusal(request)
+            if refusal is not None:
+                yield request.key, refusal
+                continue
+            request_id = str(number)
+            running[request_id] = _Running(request, time.perf_counter())
+            ids = request.input_ids[0].tolist()
+            engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=ids), sampling_params(request.sampling, self.eos_ids)
+            )
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    state = running.get(output.request_id)
+                    if state is None:
+                        continue
+                    completion = output.outputs[0]
+                    if completion.token_ids and state.first_token is None:
+                        state.first_token = time.perf_counter()
+                    if self.on_text is not None:
+                        shown = sum(map(len, state.texts))
+                        if len(completion.text) > shown:
+                            state.texts.append(completion.text[shown:])
+                            self.on_text(state.request.key, completion.text[shown:])
+                    if output.finished:
+                        del running[output.request_id]
+                        yield state.request.key, self._result(state, output)
+        finally:
+            if running:  # interrupted: the unfinished requests leave the engine
+                engine.abort_request(list(running))
+
+    def _result(self, state: _Running, output) -> GenerationResult:
+        completion = output.outputs[0]
+        now = time.perf_counter()
+        first = state.first_token or now
+        generated = len(completion.token_ids)
+        decode_seconds = max(now - first, 0.0)
+        ring = self.ring.claim(list(output.prompt_token_ids)) if self.ring is not None else None
+        memory, kind = peak_memory(torch.device("cpu"))
+        if completion.finish_reason == "length":
+            reason = "length"
+        elif completion.stop_reason is None or completion.stop_reason in self.eos_ids:
+            reason = "eos"
+        else:
+            reason = "stop"
+        return GenerationResult(
+            text=completion.text,
+            prompt_tokens=len(output.prompt_token_ids),
+            generated_tokens=generated,
+            evicted=ring.evicted_total if ring is not None else 0,
+            peak_stored=ring.peak_stored if ring is not None else 0,
+            budget=self.cache.budget if self.cache.policy != "full" else None,
+            policy=self.cache.policy,
+            stop_reason=reason,
+            prefill_seconds=round(first - state.started, 6),
+            decode_seconds=round(decode_seconds, 6),
+            decode_tokens_per_s=round((generated - 1) / decode_seconds, 3)
+            if generated > 1 and decode_seconds
+            else None,
+            peak_memory_bytes=memory,
+            peak_memory_kind=kind,
+            kv_cache_bytes=self.ring.request_bytes() if self.ring is not None else 0,
+            token_ids=list(completion.token_ids),
+            policy_report=ring.policy.report() if ring is not None else {},
+        )
