@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator
@@ -79,6 +80,18 @@ EXAMPLES = (
         "accelerate launch --num_processes 4 -m epikv_cli generate --prompts q.jsonl -o a.jsonl",
         "the same batch over four processes",
     ),
+)
+#: Shown by `epikv serve --help` and the man page.
+SERVE_EXAMPLES = (
+    (
+        "epikv serve --budget 8192 --policy epikv2 --port 8000",
+        "the demo model behind vLLM's OpenAI-compatible API, every request's cache at most 8192 tokens",
+    ),
+    (
+        "epikv serve --model Qwen/QwQ-32B --budget 8192 --max-model-len 32768 -- --tensor-parallel-size 4",
+        "a reasoning model over four GPUs (arguments after -- go to vllm serve)",
+    ),
+    ("epikv serve --budget 512 --print-command", "print the vllm serve command line instead of running it"),
 )
 #: Shown by `epikv profile --help` and the man page.
 PROFILE_EXAMPLES = (
@@ -698,6 +711,68 @@ def generate(
             spike_threshold=spike_threshold,
         )
     return code
+
+
+@app.command(
+    cls=EpikvCommand,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in SERVE_EXAMPLES),
+)
+def serve(
+    ctx: typer.Context,
+    model: ModelOption = None,
+    dtype: DTypeOption = DType.auto,
+    budget: Annotated[
+        int,
+        typer.Option("--budget", "-b", rich_help_panel=CACHE, help="K: most KV entries per layer and request."),
+    ] = 4096,
+    policy: Annotated[
+        PolicyName,
+        typer.Option("--policy", "-p", metavar="NAME", rich_help_panel=CACHE, help="streaming, epikv or epikv2."),
+    ] = PolicyName[DEFAULT_POLICY],
+    recent: Annotated[
+        Optional[int], typer.Option(rich_help_panel=CACHE, help="R: generated tokens always kept (as for generate).")
+    ] = None,
+    policy_option: Annotated[
+        Optional[list[str]],
+        typer.Option("--policy-option", metavar="KEY=VALUE", rich_help_panel=CACHE, help="A tunable policy option."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    max_model_len: Annotated[
+        int, typer.Option(help="Longest request, prompt and new tokens (positions keep counting past K).")
+    ] = 8192,
+    batch_size: Annotated[int, typer.Option(help="Most requests decoded together (vLLM's max_num_seqs).")] = 8,
+    print_command: Annotated[
+        bool, typer.Option("--print-command", help="Print the vllm serve command line instead of running it.")
+    ] = False,
+) -> int:
+    """Serve the model through vLLM's OpenAI-compatible API, every request's KV cache at most --budget tokens.
+
+    The budget and policy hold for the whole server. Arguments after -- go to vllm serve as they are.
+    """
+    from epikv_cli.cli.vllm_run import serve_command  # noqa: PLC0415 (torch: when a command runs)
+    from epikv_cli.policies.registry import check_settings, parse_policy_spec  # noqa: PLC0415 (torch: ditto)
+
+    cache = check_settings(
+        CacheSettings(
+            budget=budget,
+            policy=policy.value,
+            recent=recent,
+            options=parse_policy_spec(":".join([policy.value, *(policy_option or [])]))[1],
+        )
+    )
+    model_settings = ModelSettings(model=model, dtype=dtype.value, engine="vllm")
+    _check_vllm_run(model_settings, cache, None)
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+    command = serve_command(model_settings, cache, host, port, max_model_len, batch_size, list(ctx.args))
+    if print_command:
+        print(shlex.join(command))
+        return 0
+    sys.stdout.flush()
+    os.execv(command[0], command)
+    return 0  # pragma: no cover (execv does not return)
 
 
 def _check_vllm_run(model_settings: ModelSettings, cache: CacheSettings, panel: bool | None) -> None:

