@@ -500,3 +500,22 @@ def test_model_without_a_chat_template_says_so_once(plain_model_dir):
     assert quiet.stderr == ""
     chosen = invoke("generate", "--model", str(plain_model_dir), "-n", "2", "--no-chat-template", "hello")
     assert "chat template" not in chosen.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--policy", "h2o"], ["policy 'h2o' runs on --engine transformers only", "streaming, epikv, epikv2 and full"]),
+        (["--panel"], ["--panel follows the transformers engine's steps"]),
+        (["--compile"], ["--engine vllm does not take --compile"]),
+        (["--positions", "compressed"], ["--positions compressed is the transformers engine's paper harness"]),
+        ([], ["--engine vllm needs vLLM, which lives in a venv of its own", "make vllm-venv"]),
+    ],
+)
+def test_engine_vllm_refuses_what_it_cannot_run_before_anything_loads(args, needles):
+    """This venv has no vLLM (its tests run in .venv-vllm): every refusal is one line, exit 2."""
+    assert_one_line_usage_error(invoke("generate", "--engine", "vllm", *args, "hi"), *needles)
+
+
+def test_serve_refuses_a_policy_vllm_does_not_run():
+    assert_one_line_usage_error(invoke("serve", "--policy", "knorm"), "policy 'knorm' runs on --engine transformers")

@@ -63,6 +63,7 @@ def test_bash_completion():
         "fidelity",
         "generate",
         "profile",
+        "serve",
         "--version",
         "--install-completion",
         "--show-completion",
@@ -132,8 +133,9 @@ def test_the_help_version_and_completion_start_without_torch():
 
 def test_man_page_says_repeatable_once():
     page = (ROOT / "man/epikv.1").read_text()
-    # two options repeat (--stop, --policy-option); each says so once, with no "(repeatable)" metavar
-    assert "repeatable" not in page.lower() and page.count("May be repeated.") == 2
+    # three options repeat (generate's --stop and --policy-option, serve's --policy-option); each says so once, with
+    # no "(repeatable)" metavar
+    assert "repeatable" not in page.lower() and page.count("May be repeated.") == 3
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
