@@ -17,7 +17,8 @@
 # Each part has its own time limit, so one that hangs or runs out of memory does not take the others down.
 # Parts: (1) issue 7: Llama-3.1-8B shape, K = 2048 (the last 256 of 384 steps evict): full, streaming, epikv, epikv2, the
 # authors' eager H2O; (2) issue 10: Qwen2.5-32B shape cut to 8 layers, K = 8192, batch 1 and 8: full,
-# streaming, epikv, epikv2; (3) issue 10: --compile (CUDA graphs) against eager PyTorch, Llama shape, 8 layers.
+# streaming, epikv, epikv2; (3) issue 10: --compile (CUDA graphs) against eager PyTorch, Llama shape, 8 layers;
+# (4) issue 38: the vLLM engine (benchmarks/vllm_gpu.py), QwQ-32B shape, K = 8192, batch 1 / 8 / 32.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -60,4 +61,20 @@ part issue10_qwen32b_l8_b1 80 "${QWEN[@]}" --policies full,streaming,epikv,epikv
 part issue10_qwen32b_l8_b8 100 "${QWEN[@]}" --policies full,streaming,epikv,epikv2 "${P10[@]}" --batch-size 8
 part compile_off_llama8b_l8 50 "${LLAMA8[@]}" --policies streaming,epikv "${PC[@]}"
 part compile_on_llama8b_l8 130 "${LLAMA8[@]}" --policies streaming,epikv "${PC[@]}" --compile
+
+# (4) issue 38: the vLLM engine on the QwQ-32B shape (random weights, load_format="dummy"), K = 8192, batch 1 / 8 / 32:
+# stock vLLM with CUDA graphs against the plugin (eager). Needs vLLM 0.32 in the image (`pip install 'epikv[vllm]'`;
+# its wheel is too big to carry); without it the part says so and is skipped.
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+    VLLM_ARGS=(--shape qwen3-8b --layers 2 --budget 96 --batches 1,2 --prompt 48 --new 64 --smoke); VLLM_LIMIT=$LIMIT
+else
+    VLLM_ARGS=(--shape qwq-32b --budget 8192 --batches 1,8,32 --prompt 1024 --new 8704); VLLM_LIMIT=240
+fi
+if "$PY" -c "import vllm" >/dev/null 2>&1; then
+    echo "== issue38_vllm: benchmarks/vllm_gpu.py ${VLLM_ARGS[*]}" >>"$LOG"
+    timeout "$VLLM_LIMIT" "$PY" benchmarks/vllm_gpu.py "${VLLM_ARGS[@]}" --json "$OUT/issue38_vllm.json" >>"$LOG" 2>&1
+    echo "== issue38_vllm: exit $?" >>"$LOG"
+else
+    echo "== issue38_vllm: skipped, vLLM is not installed in this image" >>"$LOG"
+fi
 cat "$LOG"

@@ -796,6 +796,7 @@ def _check_vllm_run(model_settings: ModelSettings, cache: CacheSettings, panel: 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))
 def profile(
     model: ModelOption = None,
+    engine: EngineOption = EngineName.transformers,
     shape: ShapeOption = None,
     layers: LayersOption = None,
     compile_model: CompileOption = False,
@@ -885,7 +886,10 @@ def profile(
         shape=shape,
         layers=layers,
         compile=compile_model,
+        engine=engine.value,
     )
+    if engine.value == "vllm" and max_context:
+        raise UsageError("--max-context searches with the transformers engine; drop --engine vllm")
     if max_context and batch_size != 1:
         raise UsageError("--batch-size goes without --max-context (the search prefills one prompt at a time)")
     if max_context:
@@ -902,6 +906,13 @@ def profile(
     )
     if prompt_file is not None and not prompt_file.is_file():
         raise UsageError(f"--prompt-file {prompt_file} is not a readable file")
+    if engine.value == "vllm":
+        for run in runs:
+            _check_vllm_run(model_settings, settings.cache_for(run), None)
+            if run.kernel is not None:
+                raise UsageError(
+                    f"{run.spec}: a policy's @kernel is the transformers engine's; drop it on --engine vllm"
+                )
     code = profile_command(model_settings, settings, prompt_file, json_output=json_output, quiet=quiet)
     return code
 

@@ -10,8 +10,37 @@ from rich.console import Console
 
 from epikv_cli.cli.ui import profile_table, progress_bar, wide_console
 from epikv_cli.errors import EXIT_INTERRUPTED, writing
-from epikv_cli.experiments.profile import ProfileSettings, prompt_ids, reports_of, run_profile
+from epikv_cli.experiments.profile import ProfileSettings, measure_vllm, prompt_ids, reports_of, run_profile
 from epikv_cli.models.loading import load
+
+
+class VllmEngines:
+    """One vLLM engine per policy of the run (an engine's policy and budget are fixed), built before any is measured,
+    so that the runs can interleave; each holds the KV memory of ``--batch-size`` requests."""
+
+    def __init__(self, model_settings, settings: ProfileSettings, log) -> None:
+        from epikv_cli.cli.vllm_run import open_engine, tokenizer_for  # noqa: PLC0415 (vllm: only here)
+
+        path, self.tokenizer = tokenizer_for(model_settings, log)
+        longest = settings.prompt_tokens + settings.new_tokens
+        self.settings = settings
+        self.engines = {
+            run.label: open_engine(
+                path, self.tokenizer, model_settings, settings.cache_for(run), longest, settings.batch_size
+            ).llm
+            for run in settings.runs
+        }
+        first = next(iter(self.engines.values()))
+        self.dtype = str(first.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        self.device = str(first.llm_engine.vllm_config.device_config.device)
+
+    def measurer(self, ids):
+        """:func:`run_profile`'s ``measurer`` for these engines."""
+
+        def measure(run, cache, new_tokens: int):
+            return measure_vllm(self.engines[run.label], ids, cache, new_tokens, self.settings.batch_size)
+
+        return measure
 
 
 def profile_command(
@@ -25,9 +54,15 @@ def profile_command(
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     settings.check_budgets()  # before the model loads
-    loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
-    settings.check_context(loaded.model)
-    ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, prompt_file)
+    log = None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
+    if model_settings.engine == "vllm":
+        loaded, engines = None, VllmEngines(model_settings, settings, log)
+        ids = prompt_ids(engines.tokenizer, settings.prompt_tokens, prompt_file)
+        measurer = engines.measurer(ids)
+    else:
+        loaded, measurer = load(model_settings, log), None
+        settings.check_context(loaded.model)
+        ids = prompt_ids(loaded.tokenizer, settings.prompt_tokens, prompt_file)
     total = len(settings.runs) * (settings.repeats + 1)
     measured: dict = {}
     interrupted = False
@@ -35,12 +70,13 @@ def profile_command(
         with progress_bar(err, disable=quiet, transient=True) as progress:
             task = progress.add_task("profile", total=total, status="")
             reports = run_profile(
-                loaded.model,
-                loaded.tokenizer,
+                loaded.model if loaded is not None else None,
+                loaded.tokenizer if loaded is not None else None,
                 settings,
                 ids,
                 lambda label: progress.update(task, advance=1, status=label),
                 measured,
+                measurer,
             )
     except KeyboardInterrupt:
         interrupted = True
@@ -49,6 +85,8 @@ def profile_command(
         print("epikv: interrupted before any measured run finished; nothing to report", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
+    if model_settings.engine == "vllm":
+        model_name += " on vLLM"
     if model_settings.layers:
         model_name += f" ({model_settings.layers} layers)"
     if json_output:
@@ -60,9 +98,12 @@ def profile_command(
             "repeats": settings.repeats,
             "interrupted": interrupted,
             "batch_size": settings.batch_size,
-            "attn": loaded.attn,
-            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-            "device": str(next(loaded.model.parameters()).device),
+            "attn": loaded.attn if loaded is not None else "epikv ring (vllm)",
+            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            if loaded is not None
+            else engines.dtype,
+            "device": str(next(loaded.model.parameters()).device) if loaded is not None else engines.device,
+            "engine": model_settings.engine,
             "results": [r.to_dict() for r in reports],
         }
         with writing("stdout"):

@@ -314,31 +314,84 @@ def run_profile(
     ids: torch.Tensor,
     advance=lambda label: None,
     measured: dict[str, list[RunMeasure]] | None = None,
+    measurer=None,
 ) -> list[PolicyReport]:
     """Warm up, then run every policy ``repeats`` times interleaved; ``advance(label)`` after each run.
     ``measured`` (label -> runs) gathers the runs as they finish, for a caller that is interrupted
-    (:func:`reports_of`)."""
+    (:func:`reports_of`). ``measurer(run, cache, new_tokens)`` measures one run (default: the transformers
+    engine's :func:`measure` on ``model``; the vLLM engine passes its own, :func:`measure_vllm`)."""
     settings.check_budgets()
+    if measurer is None:
+
+        def measurer(run: PolicyRun, cache: CacheSettings, new_tokens: int) -> RunMeasure:
+            return measure(model, tokenizer, ids, run, cache, new_tokens, settings.batch_size)
+
     for run in settings.runs:  # warm-up round: first-call costs (kernels, caches, taps) stay out of the numbers
-        measure(
-            model,
-            tokenizer,
-            ids,
-            run,
-            settings.cache_for(run),
-            min(WARMUP_TOKENS, settings.new_tokens),
-            settings.batch_size,
-        )
+        measurer(run, settings.cache_for(run), min(WARMUP_TOKENS, settings.new_tokens))
         advance(f"warm-up {run.label}")
     measured = measured if measured is not None else {}
     measured.update({run.label: [] for run in settings.runs})
     for _ in range(settings.repeats):
         for run in settings.runs:
-            measured[run.label].append(
-                measure(model, tokenizer, ids, run, settings.cache_for(run), settings.new_tokens, settings.batch_size)
-            )
+            measured[run.label].append(measurer(run, settings.cache_for(run), settings.new_tokens))
             advance(run.label)
     return reports_of(measured)
+
+
+def measure_vllm(llm, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, batch_size: int) -> RunMeasure:
+    """``batch_size`` copies of ``ids`` ``[1, n]`` submitted together to ``llm`` (a vLLM engine for ``cache``, built
+    with ``report=True``) for ``new_tokens`` greedy tokens each (EOS ignored); vLLM schedules them. Prefill seconds:
+    until every request has its first token; decode tokens/s: every request's later tokens over the time after
+    that; KV bytes: the pages vLLM allocated to the batch's requests (one ring of K + 1 slots per layer each)."""
+    from vllm import SamplingParams  # noqa: PLC0415 (vllm: only for --engine vllm)
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415 (vllm: ditto)
+
+    from epikv_cli.vllm.engine import request_bytes, ring_of  # noqa: PLC0415 (vllm: ditto)
+
+    engine = llm.llm_engine
+    prompt = ids[0].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    device = torch.device("cpu")
+    gc.collect()
+    reset_peak(device)
+    start = time.perf_counter()
+    names = [f"profile-{time.monotonic_ns()}-{row}" for row in range(batch_size)]
+    for name in names:
+        engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
+    first: dict[str, float] = {}
+    elapsed: list[float] = []
+    prefill_memory = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.outputs[0].token_ids and output.request_id not in first:
+                first[output.request_id] = now
+        if len(first) == batch_size:
+            if not elapsed:
+                prefill_memory = peak_memory(device)[0]
+                reset_peak(device)
+            elapsed.append(now)
+    decode_memory, kind = peak_memory(device)
+    ring = ring_of(llm) if cache.policy != "full" else None
+    rings = [ring.claim(prompt) for _ in names] if ring is not None else []
+    if ring is not None:
+        kv_bytes = ring.request_bytes()
+    else:  # stock vLLM: the 128-token blocks of the whole sequence
+        config = llm.llm_engine.vllm_config.model_config
+        dtype = str(config.dtype).removeprefix("torch.")
+        kv_bytes = request_bytes(config.model, cache, len(prompt) + new_tokens, dtype)
+    decode_seconds = elapsed[-1] - elapsed[0]
+    return RunMeasure(
+        prefill_seconds=max(first.values()) - start,
+        decode_tokens_per_s=batch_size * (new_tokens - 1) / decode_seconds,
+        flatness=flatness(elapsed),
+        prefill_peak_memory_bytes=prefill_memory,
+        decode_peak_memory_bytes=decode_memory,
+        kv_cache_bytes=kv_bytes * batch_size,
+        peak_stored=max((request.peak_stored for request in rings if request is not None), default=0),
+        peak_memory_kind=kind,
+    )
 
 
 def reports_of(measured: dict[str, list[RunMeasure]]) -> list[PolicyReport]:

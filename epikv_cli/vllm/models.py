@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -92,6 +93,7 @@ class EpiKVMixin:
             stock[0].impl.scale,
             trace=bool(flags.get("trace")),
             report=bool(flags.get("report")),
+            reduce=_rank_mean() if get_tensor_model_parallel_world_size() > 1 else None,
         )
         self.epikv_ring = ring
         self._epikv_first = stock[0].layer_name
@@ -109,6 +111,16 @@ class EpiKVMixin:
         if step is not None:
             self.epikv_ring.finish()
         return output
+
+
+def _rank_mean():
+    """The mean over tensor-parallel ranks (a shared keep-set's scores from each rank's own KV heads)."""
+    world = get_tensor_model_parallel_world_size()
+
+    def mean(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_reduce(tensor.float().contiguous()) / world
+
+    return mean
 
 
 def _tap(ring: RingCache, index: int):

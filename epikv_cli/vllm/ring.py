@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +138,9 @@ class RingCache:
             each of its steps evicted (``trace``; for tests that compare engines step by step).
         report: keep each request until :meth:`claim` takes it by its prompt (the CLI reads each result's
             evictions and policy report so; a server, which never claims, leaves it off).
+        reduce: under tensor parallelism, the mean over ranks of a tensor (each rank holds some KV heads): what a
+            shared keep-set computed from its rank's heads (``epikv2 keep=global``'s attention) becomes the same
+            on every rank. Per-head keep-sets, and policies that read positions or whole hidden states, need none.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class RingCache:
         calibration=None,
         trace: bool = False,
         report: bool = False,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.settings = settings
         self.num_layers = num_layers
@@ -158,6 +163,7 @@ class RingCache:
         self.requests: dict[int, RingRequest] = {}
         self.admitted: list[RingRequest] | None = [] if trace else None
         self.reports: dict[str, deque[RingRequest]] | None = {} if report else None
+        self.reduce = reduce
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
@@ -326,7 +332,11 @@ class RingCache:
                 )
             view = RingView(self, request)
             signals = Signals(appended, appended.start == 0, hidden, record, view)
-            pending.append((request, view, observe(request.policy, signals)))
+            observed = observe(request.policy, signals)
+            policy = request.policy
+            if self.reduce is not None and not policy.granular and policy.attention_needs is not None:
+                observed.reads = [self.reduce(read) for read in observed.reads]
+            pending.append((request, view, observed))
         reads = [tensor for _, _, observed in pending for tensor in observed.reads]
         values = host_copies(reads)
         evicted = []

@@ -1,0 +1,57 @@
+"""Tensor parallel 2 (two worker processes, gloo on this CPU) against tensor parallel 1, under eviction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+#: 4 query heads and 2 KV heads: each of two ranks holds 2 and 1.
+CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,  # peaked logits: greedy choices that float sums in another order do not flip
+    tie_word_embeddings=False,
+)
+BUDGET, NEW = 40, 48
+PROMPTS = [[(7 * i + 3 * row) % 500 + 5 for i in range(length)] for row, length in enumerate((12, 20, 27))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(folder)
+    return str(folder)
+
+
+def greedy(model: str, policy: str, tp: int) -> list[list[int]]:
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("tp_run.py")), model, policy, str(BUDGET), str(tp), str(NEW)],
+        input=json.dumps(PROMPTS),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("policy", ["epikv2", "epikv2:keep=global"])
+def test_two_ranks_give_the_tokens_of_one(tiny_llama, policy):
+    """Per-head keep-sets (each rank's own KV heads, no communication) and a shared keep-set (its attention scores
+    averaged over the ranks): the same greedy tokens as on one rank, while the rings evict (K = 40, 60-75 tokens)."""
+    one, two = greedy(tiny_llama, policy, 1), greedy(tiny_llama, policy, 2)
+    assert [len(tokens) for tokens in one] == [NEW] * len(PROMPTS)
+    assert two == one
