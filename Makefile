@@ -46,7 +46,7 @@ demo: venv
 test: lint vllm-venv
 	$(BIN)/python -m epikv_cli.models.demo
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
-	EPIKV_TRANSFORMERS_PYTHON=$(abspath $(BIN)/python) $(VLLM_BIN)/python -m pytest -q --confcutdir=tests/vllm_engine tests/vllm_engine
+	EPIKV_TRANSFORMERS_PYTHON=$(abspath $(BIN)/python) $(VLLM_BIN)/python -m pytest -q -p no:xdist --confcutdir=tests/vllm_engine tests/vllm_engine
 
 lint: venv
 	$(BIN)/ruff check epikv_cli tests benchmarks

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -42,6 +43,7 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="epikv-shape-")
     config = cut_layers(shape_config(args.shape), args.layers)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # what vLLM builds
     config.save_pretrained(folder)
     length = args.prompt + args.new
     results = []

@@ -2,7 +2,7 @@
 _epikv() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i
     for ((i = 1; i < COMP_CWORD; i++)); do
-        case "${COMP_WORDS[i]}" in calibrate|eval|fidelity|generate|profile) sub="${COMP_WORDS[i]}"; break ;; esac
+        case "${COMP_WORDS[i]}" in calibrate|eval|fidelity|generate|profile|serve) sub="${COMP_WORDS[i]}"; break ;; esac
     done
     case "$sub" in
     calibrate)
@@ -61,6 +61,7 @@ _epikv() {
     generate)
         case "$prev" in
             --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --engine) COMPREPLY=($(compgen -W "transformers vllm" -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
@@ -85,10 +86,11 @@ _epikv() {
             --output|-o) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --threads -t --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --engine --shape --layers --compile --device-map --dtype --threads -t --attn --budget -b --policy -p --recent --bands --positions --policy-option --max-new-tokens -n --temperature --top-p --top-k --seed --stop --ignore-eos --system --chat-template --no-chat-template --json --panel --no-panel --spike-threshold --quiet -q --prompts --output -o --resume --overwrite --batch-size --help -h" -- "$cur")) ;;
     profile)
         case "$prev" in
             --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --engine) COMPREPLY=($(compgen -W "transformers vllm" -- "$cur")); return ;;
             --shape) COMPREPLY=($(compgen -W "deepseek-r1-distill-llama-8b llama-3.1-8b qwen2.5-32b qwen3-8b qwq-32b" -- "$cur")); return ;;
             --layers) COMPREPLY=(); return ;;
             --device-map) COMPREPLY=($(compgen -W "auto balanced balanced_low_0 sequential cpu cuda mps" -- "$cur")); return ;;
@@ -104,8 +106,22 @@ _epikv() {
             --batch-size) COMPREPLY=(); return ;;
             --memory-limit) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --shape --layers --compile --device-map --dtype --threads -t --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --batch-size --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
-    *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile --version --install-completion --show-completion --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --engine --shape --layers --compile --device-map --dtype --threads -t --attn --policies --budget -b --prompt-tokens --new-tokens --repeats --prompt-file --batch-size --max-context --memory-limit --json --quiet -q --help -h" -- "$cur")) ;;
+    serve)
+        case "$prev" in
+            --model|-m) local IFS=$'\n'; compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --dtype) COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return ;;
+            --budget|-b) COMPREPLY=(); return ;;
+            --policy|-p) COMPREPLY=($(compgen -W "epikv epikv2 full h2o knorm lagkv random rkv streaming tova" -- "$cur")); return ;;
+            --recent) COMPREPLY=(); return ;;
+            --policy-option) COMPREPLY=(); return ;;
+            --host) COMPREPLY=(); return ;;
+            --port) COMPREPLY=(); return ;;
+            --max-model-len) COMPREPLY=(); return ;;
+            --batch-size) COMPREPLY=(); return ;;
+        esac
+        COMPREPLY=($(compgen -W "--model -m --dtype --budget -b --policy -p --recent --policy-option --host --port --max-model-len --batch-size --print-command --help -h" -- "$cur")) ;;
+    *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile serve --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }
 complete -F _epikv epikv

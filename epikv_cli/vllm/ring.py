@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +86,24 @@ class RingRequest:
     trace: list[list[int]] | None = None
     write: torch.Tensor | None = None  # [layers, heads] this step's per-head slots (a granular vacancy), or None
     start: int = 0  # this step's first slot (every head, when ``write`` is None)
+
+
+class RecentQueries(Mapping):
+    """Layer -> its newest ``width`` queries ``[heads, w, head_dim]``, oldest first, joined only when a policy reads
+    them (a refresh, every ``period`` steps), not every step."""
+
+    def __init__(self, rings: dict[int, deque], width: int) -> None:
+        self.rings = rings
+        self.width = width
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return torch.cat(list(self.rings[layer]), dim=1)[:, -self.width :]
+
+    def __iter__(self):
+        return iter(self.rings)
+
+    def __len__(self) -> int:
+        return len(self.rings)
 
 
 class RingView:
@@ -174,6 +192,8 @@ class RingCache:
         self.hidden: dict[int, torch.Tensor] = {}  # tap layer -> [tokens, hidden] this forward's block outputs
         self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._head_slots: torch.Tensor | None = None  # [layers, tokens, heads] when some row writes per head
+        #: the decode rows: ``(token in the forward, block, used slots, request)`` each
+        self._decode: list[tuple[int, int, int, RingRequest]] | None = None
 
     # -- the pages vLLM allocated ----------------------------------------------------------------------
     def bind(self, layer: int, pages: torch.Tensor) -> None:
@@ -183,7 +203,8 @@ class RingCache:
         self.buffers[layer] = pages
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages."""
+        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages (each slot holds
+        its key, then its value)."""
         pages = self.buffers[layer]
         half = pages.shape[-1] // 2
         return pages[..., :half], pages[..., half:]
@@ -240,7 +261,7 @@ class RingCache:
     def _plan(self, starts: list[int], per_head: bool) -> None:
         """The ``(block, head, slot)`` index of every token and KV head this forward writes, for every layer."""
         if not self.rows:
-            self._index = None
+            self._index = self._decode = None
             return
         device = self.buffers[0].device
         heads = self.buffers[0].shape[1]
@@ -253,6 +274,10 @@ class RingCache:
             slots.to(device)[:, None].expand(tokens, heads),
         )
         self._head_slots = None
+        self._decode = None
+        decoding = [(row, self.requests[row.block]) for row in self.rows if row.count == 1]
+        if decoding:
+            self._decode = [(row.first, row.block, request.table.used, request) for row, request in decoding]
         if per_head:  # a granular row fills each (layer, head)'s own vacant slot
             grid = self._index[2][None].expand(self.num_layers, tokens, heads).clone()
             for row in self.rows:
@@ -276,19 +301,30 @@ class RingCache:
             slots = self._head_slots[layer]
         keys.index_put_((blocks, heads, slots), key[base:end].to(keys.dtype))
         values.index_put_((blocks, heads, slots), value[base:end].to(values.dtype))
-        for row in self.rows:
+        for row in self.rows:  # prompts: causal attention over the prompt, slots in position order
+            if row.count == 1:
+                continue
             request = self.requests[row.block]
-            used = request.table.used
             q = query[row.first : row.last].transpose(0, 1)[None]  # [1, heads, q, dim]
-            k = keys[row.block : row.block + 1, :, :used]
-            v = values[row.block : row.block + 1, :, :used]
+            k = keys[row.block : row.block + 1, :, : row.count]
+            v = values[row.block : row.block + 1, :, : row.count]
             out = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), is_causal=row.count > 1, scale=self.scaling, enable_gqa=True
+                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=self.scaling, enable_gqa=True
             )
             output[row.first : row.last] = out[0].transpose(0, 1)
             if self.query_width:
                 ring = request.queries.setdefault(layer, deque(maxlen=self.query_width))
                 ring.append(q[0, :, -self.query_width :].clone())
+        if self._decode is not None:  # one token per row, over its own live slots (their order does not matter)
+            for token, block, used, request in self._decode:
+                q = query[token : token + 1, :, None]  # [1, heads, 1, dim]
+                k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
+                out = F.scaled_dot_product_attention(
+                    q, k.to(q.dtype), v.to(q.dtype), scale=self.scaling, enable_gqa=True
+                )
+                output[token] = out[0, :, 0]
+                if self.query_width:
+                    request.queries.setdefault(layer, deque(maxlen=self.query_width)).append(q[0])
         return output
 
     def claim(self, prompt_ids: list[int]) -> RingRequest | None:
@@ -324,10 +360,7 @@ class RingCache:
             record = None
             if self.query_width:
                 record = AttentionRecord(
-                    queries={
-                        layer: torch.cat(list(ring), dim=1)[:, -self.query_width :]
-                        for layer, ring in request.queries.items()
-                    },
+                    queries=RecentQueries(request.queries, self.query_width),
                     scaling=dict.fromkeys(range(self.num_layers), self.scaling),
                 )
             view = RingView(self, request)

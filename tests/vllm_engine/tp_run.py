@@ -10,11 +10,22 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; the result is the last line there
 
 
 def main() -> None:
-    model, policy, budget, tp, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    model, policies, budget, tp, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     prompts = json.load(sys.stdin)
+    if tp > 1:  # vLLM's CPU workers bind their threads to one NUMA node each unless told which cores: one core each
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
+        )
+    tokens = {policy: run(model, policy, budget, tp, new, prompts) for policy in policies.split(",")}
+    print(json.dumps(tokens), flush=True)
+
+
+def run(model: str, policy: str, budget: int, tp: int, new: int, prompts: list[list[int]]) -> list[list[int]]:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -33,7 +44,8 @@ def main() -> None:
     llm = LLM(**arguments)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
-    json.dump([list(output.outputs[0].token_ids) for output in outputs], sys.stdout)
+    llm.llm_engine.engine_core.shutdown()
+    return [list(output.outputs[0].token_ids) for output in outputs]
 
 
 if __name__ == "__main__":
