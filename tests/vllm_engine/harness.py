@@ -13,8 +13,15 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.vllm.engine import VllmSettings, build_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The project's evaluation data, beside the clone (never copied into it).
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k_test.jsonl"
+#: The project's evaluation data, in ``shared/data`` beside the clone or above it (never copied into it).
+GSM8K = next(
+    (
+        folder / "shared" / "data" / "gsm8k_test.jsonl"
+        for folder in ROOT.parents
+        if (folder / "shared" / "data").is_dir()
+    ),
+    ROOT.parent / "shared" / "data" / "gsm8k_test.jsonl",
+)
 #: KV memory each test engine takes (vLLM would take most of the machine's memory, and zero it, by default).
 KV_BYTES = 512 << 20
 
