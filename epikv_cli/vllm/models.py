@@ -26,7 +26,7 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.vllm.backend import EpiKVBackend, EpiKVRingSpec
 from epikv_cli.vllm.ring import RingCache, ring_capacity
-from epikv_cli.vllm.settings import settings_from_config
+from epikv_cli.vllm.settings import CONFIG_KEY, settings_from_config
 
 
 class EpiKVAttention(nn.Module, AttentionLayerBase):
@@ -85,7 +85,7 @@ class EpiKVMixin:
         stock = [block.self_attn.attn for block in blocks]
         if any(getattr(layer, "sliding_window", None) for layer in stock):
             raise UsageError("--engine vllm supports models whose every layer is full attention")
-        flags = (vllm_config.additional_config or {}).get("epikv", {})
+        flags = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
         ring = RingCache(
             settings,
             len(blocks),
