@@ -116,3 +116,20 @@ def test_the_transformers_engine_refuses_vllms_transformers_in_one_line():
         )
     )
     assert "Traceback" not in done.stderr
+
+
+def test_profile_gives_the_transformers_engines_json_keys():
+    """``epikv profile --engine vllm --json``: the transformers engine's keys, per policy too, with ``engine`` saying
+    which ran; its KV bytes are the ring's: 30 layers x (K + 1 = 65 slots) x 3 KV heads x (key + value, 64 each) x 4
+    bytes (fp32)."""
+    run = ["profile", "--json", "-q", "--policies", "streaming", "--budget", "64", "--prompt-tokens", "32"]
+    run += ["--new-tokens", "16", "--repeats", "1", "--dtype", "float32"]
+    ours, theirs = both([*VLLM_EPIKV, *run, "--engine", "vllm"], [*TRANSFORMERS_EPIKV, *run, "-t", "1"])
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    mine, reference = json.loads(ours.stdout), json.loads(theirs.stdout)
+    assert list(mine) == list(reference)
+    assert (mine["engine"], reference["engine"]) == ("vllm", "transformers")
+    assert list(mine["results"][0]) == list(reference["results"][0])
+    assert mine["results"][0]["policy"] == "streaming"
+    assert mine["results"][0]["kv_cache_bytes"] == 30 * 65 * 3 * 128 * 4
