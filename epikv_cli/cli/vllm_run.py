@@ -88,7 +88,10 @@ def open_engine(
     config = AutoConfig.from_pretrained(path)
     context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or longest
     if longest > context:
-        raise UsageError(f"a prompt and its new tokens reach {longest} tokens, beyond the model's {context}")
+        raise UsageError(
+            f"a prompt and its new tokens reach {longest} tokens, beyond the model's {context}: lower -n or shorten "
+            "the prompt"
+        )
     kv_bytes = None
     if not torch.cuda.is_available():  # on a GPU vLLM takes its share of memory; here exactly what the batch needs
         kv_bytes = request_bytes(path, cache, longest, settings.dtype) * batch + KV_MARGIN
@@ -101,8 +104,9 @@ def open_engine(
         report=True,
         progress=False,
     )
-    eos = {value for value in (config.eos_token_id, tokenizer.eos_token_id) if value is not None}
-    eos = {item for value in eos for item in (value if isinstance(value, list) else [value])}
+    eos = set()
+    for value in (config.eos_token_id, tokenizer.eos_token_id):  # an id, a list of ids, or None
+        eos.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
     return Opened(build_engine(cache, engine), tokenizer, eos, cache)
 
 
