@@ -38,24 +38,24 @@ def tiny_llama(tmp_path_factory) -> str:
 POLICIES = ("epikv2", "epikv2:keep=global")
 
 
-def greedy(model: str, tp: int) -> dict[str, list[list[int]]]:
-    """Each policy's greedy tokens for :data:`PROMPTS` on ``tp`` ranks."""
+def start(model: str, tp: int) -> subprocess.Popen:
+    """Each policy's greedy tokens for :data:`PROMPTS` on ``tp`` ranks, in a process of its own (started at once:
+    the tiny model's compute is nothing beside vLLM's start-up, so the two runs overlap)."""
     command = [sys.executable, str(Path(__file__).with_name("tp_run.py")), model, ",".join(POLICIES), str(BUDGET)]
-    done = subprocess.run(
-        [*command, str(tp), str(NEW)],
-        input=json.dumps(PROMPTS),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command += [str(tp), str(NEW), json.dumps(PROMPTS)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def tokens_of(process: subprocess.Popen) -> dict[str, list[list[int]]]:
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_two_ranks_give_the_tokens_of_one(tiny_llama):
     """Per-head keep-sets (each rank's own KV heads, no communication) and a shared keep-set (its attention scores
     averaged over the ranks): the same greedy tokens as on one rank, while the rings evict (K = 40, 60-75 tokens)."""
-    one, two = greedy(tiny_llama, 1), greedy(tiny_llama, 2)
+    two_ranks, one_rank = start(tiny_llama, 2), start(tiny_llama, 1)
+    one, two = tokens_of(one_rank), tokens_of(two_ranks)
     assert [[len(tokens) for tokens in one[policy]] for policy in POLICIES] == [[NEW] * len(PROMPTS)] * len(POLICIES)
     assert two == one

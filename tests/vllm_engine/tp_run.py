@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; the
 
 def main() -> None:
     model, policies, budget, tp, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    prompts = json.load(sys.stdin)
+    prompts = json.loads(sys.argv[6])
     if tp > 1:  # vLLM's CPU workers bind their threads to one NUMA node each unless told which cores: one core each
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault(
