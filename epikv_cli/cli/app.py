@@ -778,13 +778,9 @@ def serve(
 def _check_vllm_run(model_settings: ModelSettings, cache: CacheSettings, panel: bool | None) -> None:
     """What ``--engine vllm`` refuses before anything loads (one line each)."""
     from epikv_cli.cli.vllm_run import check_model_settings, require_vllm  # noqa: PLC0415 (torch: ditto)
-    from epikv_cli.vllm.ring import VLLM_POLICIES  # noqa: PLC0415 (torch: ditto)
+    from epikv_cli.vllm.ring import check_policy  # noqa: PLC0415 (torch: ditto)
 
-    if cache.policy not in (*VLLM_POLICIES, "full"):
-        raise UsageError(
-            f"policy {cache.policy!r} runs on --engine transformers only; --engine vllm runs "
-            f"{', '.join(VLLM_POLICIES)} and full"
-        )
+    check_policy(cache)
     if panel:
         raise UsageError("--panel follows the transformers engine's steps; drop it, or use --engine transformers")
     if cache.positions != "logical":

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings
-from epikv_cli.errors import UsageError
-from epikv_cli.vllm.ring import VLLM_POLICIES, RingCache, ring_capacity
+from epikv_cli.vllm.ring import RingCache, check_policy, ring_capacity
 from epikv_cli.vllm.settings import architecture_for, config_for
 
 #: vLLM's own engine in this process, not in a child: it starts in seconds and ``ring_of`` can read the rings.
@@ -48,15 +47,6 @@ class VllmSettings:
     trace: bool = False
     report: bool = False
     progress: bool = True
-
-
-def check_policy(settings: CacheSettings) -> None:
-    """:class:`UsageError` for a policy this engine does not run, naming the engines that run it."""
-    if settings.policy != "full" and settings.policy not in VLLM_POLICIES:
-        raise UsageError(
-            f"policy {settings.policy!r} runs on --engine transformers only; --engine vllm runs "
-            f"{', '.join(VLLM_POLICIES)} and full"
-        )
 
 
 def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:

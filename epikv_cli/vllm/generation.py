@@ -23,7 +23,7 @@ from epikv_cli.policies.registry import make_policy
 from epikv_cli.runtime.batchgen import Request
 from epikv_cli.runtime.generation import GenerationResult
 from epikv_cli.vllm.engine import ring_of
-from epikv_cli.vllm.ring import ring_capacity
+from epikv_cli.vllm.ring import check_prompt
 
 
 def sampling_params(sampling: SamplingSettings, eos_ids: set[int]) -> SamplingParams:
@@ -83,15 +83,9 @@ class VllmGeneration:
                 "on --engine vllm every prompt runs under the command's --policy, --budget and policy options; "
                 "drop this line's own cache settings"
             )
-        length = request.input_ids.shape[1]
         try:
             if self.cache.policy != "full":
-                make_policy(self.cache).check_budget(length, self.cache.budget)
-                if length > ring_capacity(self.cache):
-                    raise UsageError(
-                        f"the {length}-token prompt does not fit --budget {self.cache.budget} on --engine vllm, which "
-                        "holds the whole prompt: raise --budget"
-                    )
+                check_prompt(make_policy(self.cache), self.cache, request.input_ids.shape[1])
         except UsageError as error:
             return error
         return None

@@ -52,6 +52,26 @@ def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
     return settings.budget + max(1, slack)
 
 
+def check_policy(settings: CacheSettings) -> None:
+    """:class:`UsageError` for a policy this engine does not run, naming the engines that run it."""
+    if settings.policy != "full" and settings.policy not in VLLM_POLICIES:
+        raise UsageError(
+            f"policy {settings.policy!r} runs on --engine transformers only; --engine vllm runs "
+            f"{', '.join(VLLM_POLICIES)} and full"
+        )
+
+
+def check_prompt(policy: Policy, settings: CacheSettings, length: int) -> None:
+    """:class:`UsageError` when a ``length``-token prompt cannot start under ``policy``: below its budget floor, or
+    longer than the ring (the whole prompt is one forward into it)."""
+    policy.check_budget(length, settings.budget)
+    if length > ring_capacity(settings):
+        raise UsageError(
+            f"the {length}-token prompt does not fit --budget {settings.budget} on --engine vllm, which holds the "
+            "whole prompt: raise --budget or shorten the prompt"
+        )
+
+
 @dataclass(frozen=True)
 class Row:
     """One request's share of a forward: its ring block, the tokens it had computed before, and its tokens
@@ -85,7 +105,6 @@ class RingRequest:
     peak_stored: int = 0
     trace: list[list[int]] | None = None
     write: torch.Tensor | None = None  # [layers, heads] this step's per-head slots (a granular vacancy), or None
-    start: int = 0  # this step's first slot (every head, when ``write`` is None)
 
 
 class RecentQueries(Mapping):
@@ -231,7 +250,6 @@ class RingCache:
                 )
             first = request.table.seen
             plan = request.table.append(row.count)
-            request.start = plan.start
             request.write = request.heads.append(plan.start, row.count, first) if request.heads is not None else None
             per_head |= request.write is not None
             starts.append(plan.start)
@@ -239,14 +257,9 @@ class RingCache:
 
     def _admit(self, row: Row) -> RingRequest:
         """A new request (or one vLLM preempted and now recomputes from its start) in block ``row.block``."""
-        if row.count > self.capacity:
-            raise UsageError(
-                f"a {row.count}-token prompt does not fit a ring of {self.capacity} slots; on --engine vllm "
-                "the whole prompt must fit the budget: raise --budget or shorten the prompt"
-            )
         policy = make_policy(self.settings)
         policy.setup(self.num_layers, self.calibration)
-        policy.check_budget(row.count, self.settings.budget)
+        check_prompt(policy, self.settings, row.count)
         heads = None
         if policy.granular:
             first = self.buffers[0]
