@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from epikv_cli.cli.app import app
 from epikv_cli.runtime.scaleout import Ranks
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -55,19 +57,18 @@ def test_two_processes_write_one_merged_output(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     merged = tmp_path / "merged.jsonl"
-    launched = subprocess.run(
+    launched = subprocess.Popen(
         [str(TORCHRUN), "--nproc_per_node", "2", "-m", "epikv_cli", *common, "--output", str(merged)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    assert launched.returncode == 1, launched.stderr[-2000:]  # the broken line fails; the rest ran
-    single = tmp_path / "single.jsonl"
-    alone = subprocess.run(
-        [sys.executable, "-m", "epikv_cli", *common, "--output", str(single)], env=env, capture_output=True, text=True
-    )
-    assert alone.returncode == 1
+    single = tmp_path / "single.jsonl"  # one process, this one, meanwhile
+    alone = CliRunner().invoke(app, [*common, "--output", str(single)])
+    _, stderr = launched.communicate(timeout=300)
+    assert launched.returncode == 1, stderr[-2000:]  # the broken line fails; the rest ran
+    assert alone.exit_code == 1, alone.stderr
 
     rows = read(merged)
     assert [r["line"] for r in rows] == list(range(1, 9))  # input order

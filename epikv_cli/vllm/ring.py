@@ -1,9 +1,9 @@
 """Each request's bounded cache inside vLLM: one ring of C = K + B slots per layer, its slot tables and its policy.
 
 vLLM gives every request one page per layer for its whole life (:mod:`epikv_cli.vllm.backend`'s ring spec): the
-page of request block ``b`` in layer ``l`` is ``buffers[l][b]``, ``[kv_heads, C, 2 * head_dim]`` (keys, then
-values, along the last axis). This module owns what lives in those pages. It is plain torch, so it is tested
-without vLLM, and it runs the same decode step as the transformers engine: the slot tables and the eviction of
+page of request block ``b`` in layer ``l`` is ``buffers[l][b]``, ``[kv_heads, 2, C, head_dim]`` (each KV head's C
+keys, then its C values: :meth:`RingCache.bind`). This module owns what lives in those pages. It is plain torch
+(nothing of vLLM), and it runs the same decode step as the transformers engine: the slot tables and the eviction of
 :mod:`epikv_cli.core.cache` (:class:`SlotTable`, :func:`evict_heads`, :func:`move_entries`), and the policy half
 of :mod:`epikv_cli.runtime.step`. A policy sees a request through a :class:`RingView`, a
 :class:`~epikv_cli.core.view.CacheView` like any other.
@@ -216,17 +216,28 @@ class RingCache:
 
     # -- the pages vLLM allocated ----------------------------------------------------------------------
     def bind(self, layer: int, pages: torch.Tensor) -> None:
-        """Layer ``layer``'s pages ``[blocks, kv_heads, C, 2 * head_dim]``."""
-        if pages.shape[2] != self.capacity:
-            raise RuntimeError(f"layer {layer}: pages of {pages.shape[2]} slots, the ring needs {self.capacity}")
-        self.buffers[layer] = pages
+        """Layer ``layer``'s pages as vLLM allocated them, ``[blocks, kv_heads, C, 2 * head_dim]``. Only this ring
+        reads and writes them, so each (block, KV head) is laid out as its C keys, then its C values: every head's
+        keys are one contiguous ``[C, head_dim]`` matrix for the attention and the policies' reads (keys and values
+        interleaved slot by slot made both strided, and a policy's ``q . k`` products took twice as long)."""
+        blocks, heads, slots, width = pages.shape
+        if slots != self.capacity:
+            raise RuntimeError(f"layer {layer}: pages of {slots} slots, the ring needs {self.capacity}")
+        inner = sorted(zip(pages.stride()[1:], pages.shape[1:]))  # a page's axes, innermost first
+        dense = all(stride == (inner[i - 1][0] * inner[i - 1][1] if i else 1) for i, (stride, _) in enumerate(inner))
+        if not dense or pages.stride(0) < heads * slots * width:
+            raise RuntimeError(f"layer {layer}: a request's page must be one dense block, got strides {pages.stride()}")
+        half = width // 2
+        self.buffers[layer] = pages.as_strided(
+            (blocks, heads, 2, slots, half),
+            (pages.stride(0), 2 * slots * half, slots * half, half, 1),
+            pages.storage_offset(),
+        )
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages (each slot holds
-        its key, then its value)."""
+        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages."""
         pages = self.buffers[layer]
-        half = pages.shape[-1] // 2
-        return pages[..., :half], pages[..., half:]
+        return pages[:, :, 0], pages[:, :, 1]
 
     # -- one forward ------------------------------------------------------------------------------------
     def begin(self, rows: list[Row], input_ids: torch.Tensor | None = None) -> None:

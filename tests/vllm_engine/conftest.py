@@ -15,9 +15,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 import json
 
 import pytest
+import torch
 from harness import GSM8K, Engines
 
 from epikv_cli.models.demo import demo_model_dir
+
+# The engines these tests build run in this process (no engine-core process) on torch's threads, one per core unless
+# told. One thread: the other core runs the transformers engine's reference alongside (harness.TransformersReference).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from epikv_cli.config import CacheSettings
@@ -26,21 +27,57 @@ GSM8K = next(
 KV_BYTES = 512 << 20
 
 
+class TransformersReference:
+    """The transformers engine's greedy runs of several jobs, in the main venv (``reference.py``), started at once in
+    the background on one core (vLLM's engine keeps to another) and read as each is needed.
+
+    Args:
+        model: the model's directory.
+        jobs: per job its ``policy``, ``budget`` (K), ``new`` tokens and ``prompts`` (token ids), run in this order.
+
+    ``result(i)`` waits for job ``i``: per prompt its ``tokens``, each step's ``evicted`` positions and top-2 logit
+    ``gaps``.
+    """
+
+    def __init__(self, model: str, jobs: list[dict]) -> None:
+        python = os.environ.get("EPIKV_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+        self.errors = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it until the end
+        self.process = subprocess.Popen(
+            [python, str(Path(__file__).with_name("reference.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            text=True,
+        )
+        self.process.stdin.write(json.dumps({"model": model, "dtype": "float32", "threads": 1, "jobs": jobs}))
+        self.process.stdin.close()
+        self.results: list[list[dict]] = []
+
+    def result(self, index: int) -> list[dict]:
+        while len(self.results) <= index:
+            line = self.process.stdout.readline()
+            if not line:
+                self.process.wait(timeout=60)
+                self.errors.seek(0)
+                raise AssertionError(f"reference.py ended early: {self.errors.read()[-3000:]}")
+            self.results.append(json.loads(line))
+        return self.results[index]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+        self.errors.close()
+
+
 def transformers_reference(policy: str, budget: int, new: int, prompts: list[list[int]], model: str) -> list[dict]:
-    """The transformers engine's greedy run of ``prompts`` (token ids) under ``policy`` and K = ``budget``, in the main
-    venv (``reference.py``, on every core: vLLM's engine waits meanwhile): per prompt its ``tokens``, each step's
-    ``evicted`` positions and top-2 logit ``gaps``."""
-    python = os.environ.get("EPIKV_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    job = {"model": model, "dtype": "float32", "policy": policy, "budget": budget, "new": new, "prompts": prompts}
-    done = subprocess.run(
-        [python, str(Path(__file__).with_name("reference.py"))],
-        input=json.dumps({**job, "threads": len(os.sched_getaffinity(0))}),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    """One job of :class:`TransformersReference`, waited for."""
+    reference = TransformersReference(model, [{"policy": policy, "budget": budget, "new": new, "prompts": prompts}])
+    try:
+        return reference.result(0)
+    finally:
+        reference.close()
 
 
 class Engines:

@@ -1,10 +1,10 @@
 """The transformers engine's record of greedy generations, for the vLLM tests (run by the transformers venv's python).
 
-Reads JSON from stdin: ``{"model": dir, "dtype": "float32", "policy": ..., "budget": ..., "new": N,
-"prompts": [[ids...], ...]}``; writes JSON to stdout: per prompt its generated ``tokens``, the logical
-positions each step ``evicted`` (the step whose logits chose that token), and each step's top-2 logit ``gaps``
-(the margin greedy decoding had). The prompts run together through the batch decoder, whose rows never see each
-other (its own tests show each row equals the prompt alone).
+Reads JSON from stdin: ``{"model": dir, "dtype": "float32", "threads": T, "jobs": [{"policy": ..., "budget": ...,
+"new": N, "prompts": [[ids...], ...]}, ...]}``; writes one JSON line to stdout per job, in order, as each finishes:
+per prompt its generated ``tokens``, the logical positions each step ``evicted`` (the step whose logits chose that
+token), and each step's top-2 logit ``gaps`` (the margin greedy decoding had). A job's prompts run together through
+the batch decoder, whose rows never see each other (its own tests show each row equals the prompt alone).
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ from epikv_cli.runtime.batched import BatchDecoder
 
 
 def main() -> None:
-    job = json.load(sys.stdin)
-    torch.set_num_threads(job.get("threads", 1))
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, job["dtype"]))
+    setup = json.load(sys.stdin)
+    torch.set_num_threads(setup["threads"])
+    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=getattr(torch, setup["dtype"]))
+    for job in setup["jobs"]:
+        print(json.dumps(run(model, job)), flush=True)
+
+
+def run(model, job: dict) -> list[dict]:
     settings = CacheSettings(budget=job["budget"], policy=job["policy"])
     records = [{"tokens": [], "evicted": [], "gaps": []} for _ in job["prompts"]]
     with torch.inference_mode(), BatchDecoder(model, [settings]) as decoder:
@@ -41,7 +46,7 @@ def main() -> None:
                 record["evicted"].append(sorted(decoder.cache.rows[row].last_evicted))
             if step + 1 < job["new"]:
                 logits = list(decoder.forward(tokens))
-    json.dump(records, sys.stdout)
+    return records
 
 
 if __name__ == "__main__":

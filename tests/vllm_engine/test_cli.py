@@ -9,8 +9,13 @@ import sys
 from pathlib import Path
 
 from harness import ROOT
+from typer.testing import CliRunner
+
+from epikv_cli.cli.app import app
 
 VLLM_EPIKV = [sys.executable, "-m", "epikv_cli"]
+#: Each engine on one core of the two: vLLM's engine takes torch's threads (one per core) unless told.
+ONE_THREAD = ["-t", "1"]
 TRANSFORMERS_EPIKV = [
     os.environ.get("EPIKV_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python")),
     "-m",
@@ -41,8 +46,8 @@ def test_one_prompt_gives_the_transformers_engines_text_and_json_keys():
     JSON keys, with the same counts of tokens and evictions."""
     prompt = "Explain step by step why the sum of two odd numbers is always even."
     ours, theirs = both(
-        [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *RUN, prompt],
-        [*TRANSFORMERS_EPIKV, "generate", "--json", "-t", "1", *RUN, prompt],
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *ONE_THREAD, *RUN, prompt],
+        [*TRANSFORMERS_EPIKV, "generate", "--json", *ONE_THREAD, *RUN, prompt],
     )
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert theirs.returncode == 0, theirs.stderr[-2000:]
@@ -69,8 +74,8 @@ def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
     first.write_text(json.dumps(lines[0]) + "\n")
     out, reference = tmp_path / "out.jsonl", tmp_path / "reference.jsonl"
     done, theirs = both(
-        [*VLLM_EPIKV, "generate", "--engine", "vllm", *RUN, "--prompts", str(prompts), "-o", str(out)],
-        [*TRANSFORMERS_EPIKV, "generate", "-t", "1", *RUN, "--prompts", str(first), "-o", str(reference)],
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", *ONE_THREAD, *RUN, "--prompts", str(prompts), "-o", str(out)],
+        [*TRANSFORMERS_EPIKV, "generate", *ONE_THREAD, *RUN, "--prompts", str(first), "-o", str(reference)],
     )
     assert done.returncode == 1, done.stderr[-2000:]  # one line failed
     assert theirs.returncode == 0, theirs.stderr[-2000:]
@@ -97,8 +102,8 @@ def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
 
 
 def test_a_policy_vllm_does_not_run_is_refused_naming_the_engines():
-    done = epikv(VLLM_EPIKV, "generate", "--engine", "vllm", "--policy", "h2o", "hi")
-    assert done.returncode == 2
+    done = CliRunner().invoke(app, ["generate", "--engine", "vllm", "--policy", "h2o", "hi"])
+    assert done.exit_code == 2
     assert done.stderr.strip().splitlines() == [
         "epikv: error: policy 'h2o' runs on --engine transformers only; --engine vllm runs streaming, epikv, epikv2 "
         "and full"
@@ -106,8 +111,8 @@ def test_a_policy_vllm_does_not_run_is_refused_naming_the_engines():
 
 
 def test_the_transformers_engine_refuses_vllms_transformers_in_one_line():
-    done = epikv(VLLM_EPIKV, "generate", "-n", "4", "hi")
-    assert done.returncode == 2
+    done = CliRunner().invoke(app, ["generate", "-n", "4", "hi"])
+    assert done.exit_code == 2
     assert (
         done.stderr.strip()
         .splitlines()[-1]
@@ -124,7 +129,7 @@ def test_profile_gives_the_transformers_engines_json_keys():
     bytes (fp32)."""
     run = ["profile", "--json", "-q", "--policies", "streaming", "--budget", "64", "--prompt-tokens", "32"]
     run += ["--new-tokens", "16", "--repeats", "1", "--dtype", "float32"]
-    ours, theirs = both([*VLLM_EPIKV, *run, "--engine", "vllm"], [*TRANSFORMERS_EPIKV, *run, "-t", "1"])
+    ours, theirs = both([*VLLM_EPIKV, *run, "--engine", "vllm", *ONE_THREAD], [*TRANSFORMERS_EPIKV, *run, *ONE_THREAD])
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     mine, reference = json.loads(ours.stdout), json.loads(theirs.stdout)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from harness import greedy, token_prompts, transformers_reference
+from harness import TransformersReference, greedy, token_prompts
 
 from epikv_cli.vllm.engine import ring_of
 
@@ -11,6 +11,28 @@ from epikv_cli.vllm.engine import ring_of
 BUDGET, NEW = 200, 160
 #: A first differing token is accepted only where the transformers engine's top-2 logits were this close.
 NEAR_TIE = 1e-3
+#: Without eviction: K above every length, the first 4 prompts, 48 tokens.
+FREE, FREE_NEW = 1024, 48
+#: The transformers engine's runs, in the order the tests below read them.
+JOBS = {
+    "free": ("epikv2", FREE, FREE_NEW, 4),
+    "streaming": ("streaming", BUDGET, NEW, 8),
+    "epikv2": ("epikv2", BUDGET, NEW, 8),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(demo, gsm8k_chats):
+    """The transformers engine's records of every job in :data:`JOBS`, computed in the background on the core vLLM's
+    engine leaves free while the tests below run vLLM: ``reference(name)`` waits for one."""
+    names = list(JOBS)
+    jobs = [
+        {"policy": policy, "budget": budget, "new": new, "prompts": gsm8k_chats[:count]}
+        for policy, budget, new, count in JOBS.values()
+    ]
+    runs = TransformersReference(demo, jobs)
+    yield lambda name: runs.result(names.index(name))
+    runs.close()
 
 
 def generated(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -18,38 +40,15 @@ def generated(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(token_prompts(prompts), greedy(new), use_tqdm=False)]
 
 
-def test_without_eviction_the_plugin_changes_nothing(engines, demo, gsm8k_chats):
+def test_without_eviction_the_plugin_changes_nothing(engines, reference, gsm8k_chats):
     """K above every sequence's length: the plugin's greedy tokens are stock vLLM's and the transformers engine's."""
-    prompts, new = gsm8k_chats[:4], 48
-    reference = [record["tokens"] for record in transformers_reference("epikv2", 1024, new, prompts, demo)]
-    stock = generated(engines.get("full", None), prompts, new)
-    llm = engines.get("epikv2", 1024)
-    ours = generated(llm, prompts, new)
+    prompts = gsm8k_chats[:4]
+    stock = generated(engines.get("full", None), prompts, FREE_NEW)
+    llm = engines.get("epikv2", FREE)
+    ours = generated(llm, prompts, FREE_NEW)
     assert [request.evicted_total for request in ring_of(llm).admitted[-len(prompts) :]] == [0] * len(prompts)
     assert ours == stock
-    assert ours == reference
-
-
-@pytest.mark.parametrize("policy", ["streaming", "epikv2"])
-def test_under_eviction_the_tokens_and_evictions_are_the_transformers_engines(engines, demo, gsm8k_chats, policy):
-    """K = 200, 160 tokens, 8 GSM8K prompts: at least 6 of 8 identical; where one differs, the first differing token
-    was a near-tie for the transformers engine (top-2 logit gap below 1e-3), and every step before it and that step
-    evicted the same positions on both engines."""
-    reference = transformers_reference(policy, BUDGET, NEW, gsm8k_chats, demo)
-    llm = engines.get(policy, BUDGET)
-    ours = generated(llm, gsm8k_chats, NEW)
-    traces = [request.trace for request in ring_of(llm).admitted[-len(gsm8k_chats) :]]
-    assert sum(len(step) for record in reference for step in record["evicted"]) > 0  # eviction did happen
-    same = 0
-    for tokens, trace, record in zip(ours, traces, reference):
-        differ = next((step for step, (a, b) in enumerate(zip(tokens, record["tokens"])) if a != b), None)
-        if differ is None:
-            same += 1
-            assert trace == record["evicted"]
-            continue
-        assert record["gaps"][differ] < NEAR_TIE, f"step {differ}: top-2 gap {record['gaps'][differ]}"
-        assert trace[: differ + 1] == record["evicted"][: differ + 1]
-    assert same >= 6
+    assert ours == [record["tokens"] for record in reference("free")]
 
 
 def test_a_batch_is_each_prompt_alone(engines, gsm8k_chats):
@@ -71,3 +70,25 @@ def test_a_batch_is_each_prompt_alone(engines, gsm8k_chats):
     assert counts == [request.evicted_total for request in singles]
     # a prompt evicts when it and the 63 tokens before the last one exceed K = 150: some do, some do not
     assert [count > 0 for count in counts] == [len(ids) + new - 1 > budget for ids in prompts]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "epikv2"])
+def test_under_eviction_the_tokens_and_evictions_are_the_transformers_engines(engines, reference, gsm8k_chats, policy):
+    """K = 200, 160 tokens, 8 GSM8K prompts: at least 6 of 8 identical; where one differs, the first differing token
+    was a near-tie for the transformers engine (top-2 logit gap below 1e-3), and every step before it and that step
+    evicted the same positions on both engines."""
+    llm = engines.get(policy, BUDGET)
+    ours = generated(llm, gsm8k_chats, NEW)
+    traces = [request.trace for request in ring_of(llm).admitted[-len(gsm8k_chats) :]]
+    records = reference(policy)
+    assert sum(len(step) for record in records for step in record["evicted"]) > 0  # eviction did happen
+    same = 0
+    for tokens, trace, record in zip(ours, traces, records):
+        differ = next((step for step, (a, b) in enumerate(zip(tokens, record["tokens"])) if a != b), None)
+        if differ is None:
+            same += 1
+            assert trace == record["evicted"]
+            continue
+        assert record["gaps"][differ] < NEAR_TIE, f"step {differ}: top-2 gap {record['gaps'][differ]}"
+        assert trace[: differ + 1] == record["evicted"][: differ + 1]
+    assert same >= 6

@@ -16,6 +16,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; the
 def main() -> None:
     model, policies, budget, tp, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     prompts = json.loads(sys.argv[6])
+    if tp == 1:  # the engine runs in this process, on torch's threads (one per core unless told): one, beside TP 2's
+        import torch
+
+        torch.set_num_threads(1)
     if tp > 1:  # vLLM's CPU workers bind their threads to one NUMA node each unless told which cores: one core each
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault(
