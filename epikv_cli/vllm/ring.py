@@ -223,7 +223,8 @@ class RingCache:
         blocks, heads, slots, width = pages.shape
         if slots != self.capacity:
             raise RuntimeError(f"layer {layer}: pages of {slots} slots, the ring needs {self.capacity}")
-        inner = sorted(zip(pages.stride()[1:], pages.shape[1:]))  # a page's axes, innermost first
+        # a page's axes of more than one entry, innermost first: dense when each stride spans the axes inside it
+        inner = sorted((stride, size) for stride, size in zip(pages.stride()[1:], pages.shape[1:]) if size > 1)
         dense = all(stride == (inner[i - 1][0] * inner[i - 1][1] if i else 1) for i, (stride, _) in enumerate(inner))
         if not dense or pages.stride(0) < heads * slots * width:
             raise RuntimeError(f"layer {layer}: a request's page must be one dense block, got strides {pages.stride()}")
