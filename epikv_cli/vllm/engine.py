@@ -16,9 +16,6 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.vllm.ring import RingCache, check_policy, ring_capacity
 from epikv_cli.vllm.settings import architecture_for, config_for
 
-#: vLLM's own engine in this process, not in a child: it starts in seconds and ``ring_of`` can read the rings.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 @dataclass(frozen=True)
 class VllmSettings:
@@ -80,9 +77,12 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
 
 
 def build_engine(cache: CacheSettings, engine: VllmSettings):
-    """A ``vllm.LLM`` running ``cache``'s policy (stock vLLM for ``full``)."""
+    """A ``vllm.LLM`` running ``cache``'s policy (stock vLLM for ``full``), its engine in this process: it starts in
+    seconds and :func:`ring_of` can read the rings. (``epikv serve`` leaves vLLM's default, an engine-core process
+    beside the API server's.)"""
     from vllm import LLM  # noqa: PLC0415 (vllm: seconds to import, only when an engine is built)
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return LLM(**engine_arguments(cache, engine))
 
 
