@@ -201,6 +201,7 @@ class RingCache:
         self.admitted: list[RingRequest] | None = [] if trace else None
         self.reports: dict[str, deque[RingRequest]] | None = {} if report else None
         self.reduce = reduce
+        self._scalings = dict.fromkeys(range(num_layers), scaling)  # every layer's softmax scale, as policies read it
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
@@ -223,10 +224,9 @@ class RingCache:
         blocks, heads, slots, width = pages.shape
         if slots != self.capacity:
             raise RuntimeError(f"layer {layer}: pages of {slots} slots, the ring needs {self.capacity}")
-        # a page's axes of more than one entry, innermost first: dense when each stride spans the axes inside it
-        inner = sorted((stride, size) for stride, size in zip(pages.stride()[1:], pages.shape[1:]) if size > 1)
-        dense = all(stride == (inner[i - 1][0] * inner[i - 1][1] if i else 1) for i, (stride, _) in enumerate(inner))
-        if not dense or pages.stride(0) < heads * slots * width:
+        page = pages[0]
+        dense = page.permute(sorted(range(3), key=page.stride, reverse=True)).is_contiguous()  # in memory order
+        if not dense or pages.stride(0) < page.numel():
             raise RuntimeError(f"layer {layer}: a request's page must be one dense block, got strides {pages.stride()}")
         half = width // 2
         self.buffers[layer] = pages.as_strided(
@@ -299,10 +299,8 @@ class RingCache:
             slots.to(device)[:, None].expand(tokens, heads),
         )
         self._head_slots = None
-        self._decode = None
-        decoding = [(row, self.requests[row.block]) for row in self.rows if row.count == 1]
-        if decoding:
-            self._decode = [(row.first, row.block, request.table.used, request) for row, request in decoding]
+        decoding = [(row.first, row.block, self.requests[row.block]) for row in self.rows if row.count == 1]
+        self._decode = [(token, block, request.table.used, request) for token, block, request in decoding] or None
         if per_head:  # a granular row fills each (layer, head)'s own vacant slot
             grid = self._index[2][None].expand(self.num_layers, tokens, heads).clone()
             for row in self.rows:
@@ -386,7 +384,7 @@ class RingCache:
             if self.query_width:
                 record = AttentionRecord(
                     queries=RecentQueries(request.queries, self.query_width),
-                    scaling=dict.fromkeys(range(self.num_layers), self.scaling),
+                    scaling=self._scalings,
                 )
             view = RingView(self, request)
             signals = Signals(appended, appended.start == 0, hidden, record, view)

@@ -35,13 +35,11 @@ def run(model: str, policy: str, budget: int, tp: int, new: int, prompts: list[l
     from vllm.inputs import TokensPrompt
 
     from epikv_cli.config import CacheSettings
+    from epikv_cli.policies.registry import parse_policy_spec
     from epikv_cli.vllm.engine import VllmSettings, engine_arguments
 
-    cache = CacheSettings(
-        budget=budget,
-        policy=policy.split(":")[0],
-        options=tuple(tuple(pair.split("=", 1)) for pair in policy.split(":")[1:]),
-    )
+    name, options = parse_policy_spec(policy)
+    cache = CacheSettings(budget=budget, policy=name, options=options)
     engine = VllmSettings(model, dtype="float32", max_model_len=512, kv_cache_bytes=64 << 20, tensor_parallel=tp)
     arguments = engine_arguments(cache, engine)
     arguments.update(skip_tokenizer_init=True, distributed_executor_backend="mp" if tp > 1 else None)
