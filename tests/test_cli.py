@@ -507,7 +507,7 @@ def test_model_without_a_chat_template_says_so_once(plain_model_dir):
     [
         (["--policy", "h2o"], ["policy 'h2o' runs on --engine transformers only", "streaming, epikv, epikv2 and full"]),
         (["--panel"], ["--panel follows the transformers engine's steps"]),
-        (["--compile"], ["--engine vllm does not take --compile"]),
+        (["--device-map", "cpu"], ["--engine vllm does not take --device-map"]),
         (["--positions", "compressed"], ["--positions compressed is the transformers engine's paper harness"]),
         ([], ["--engine vllm needs vLLM, which lives in a venv of its own", "make vllm-venv"]),
     ],

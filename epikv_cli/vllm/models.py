@@ -22,6 +22,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
+import epikv_cli.vllm.ops  # noqa: F401 (registers torch.ops.epikv, which the layers call)
 from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.vllm.backend import EpiKVBackend, EpiKVRingSpec
@@ -66,11 +67,13 @@ class EpiKVAttention(nn.Module, AttentionLayerBase):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
         tokens = query.shape[0]
-        output = self.ring.attend(
-            self.index,
+        output = torch.empty(tokens, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
+        torch.ops.epikv.ring_attention(
             query.view(tokens, self.num_heads, self.head_size),
             key.view(tokens, self.num_kv_heads, self.head_size),
             value.view(tokens, self.num_kv_heads, self.head_size),
+            output,
+            self.layer_name,
         )
         return output.view(tokens, self.num_heads * self.head_size)
 
@@ -100,7 +103,7 @@ class EpiKVMixin:
         for index, (block, layer) in enumerate(zip(blocks, stock)):
             block.self_attn.attn = EpiKVAttention(layer, index, ring)
         for index in ring.tap_layers:
-            blocks[index].register_forward_hook(_tap(ring, index))
+            blocks[index].register_forward_hook(_tap(stock[index].layer_name))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         metadata = get_forward_context().attn_metadata
@@ -123,13 +126,13 @@ def _rank_mean():
     return mean
 
 
-def _tap(ring: RingCache, index: int):
-    """A forward hook that gives ``ring`` decoder block ``index``'s output (vLLM's blocks return it as two parts,
-    ``hidden + residual``)."""
+def _tap(layer_name: str):
+    """A forward hook that gives the ring the output of the decoder block whose attention is ``layer_name`` (vLLM's
+    blocks return it as two parts, ``hidden + residual``), through the op a compiled forward keeps."""
 
     def hook(module: nn.Module, args, output) -> None:
         hidden, residual = output
-        ring.tap(index, hidden if residual is None else hidden + residual)
+        torch.ops.epikv.ring_tap(hidden if residual is None else hidden + residual, layer_name)
 
     return hook
 

@@ -197,6 +197,7 @@ class RingCache:
         self.scaling = scaling
         self.calibration = calibration
         self.buffers: list[torch.Tensor | None] = [None] * num_layers
+        self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers  # views of each layer's pages
         self.requests: dict[int, RingRequest] = {}
         self.admitted: list[RingRequest] | None = [] if trace else None
         self.reports: dict[str, deque[RingRequest]] | None = {} if report else None
@@ -229,16 +230,17 @@ class RingCache:
         if not dense or pages.stride(0) < page.numel():
             raise RuntimeError(f"layer {layer}: a request's page must be one dense block, got strides {pages.stride()}")
         half = width // 2
-        self.buffers[layer] = pages.as_strided(
+        self.buffers[layer] = pages = pages.as_strided(
             (blocks, heads, 2, slots, half),
             (pages.stride(0), 2 * slots * half, slots * half, half, 1),
             pages.storage_offset(),
         )
+        self._kv[layer] = pages[:, :, 0], pages[:, :, 1]
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages."""
-        pages = self.buffers[layer]
-        return pages[:, :, 0], pages[:, :, 1]
+        """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages (in the model's
+        dtype: :func:`~epikv_cli.vllm.models.check_engine_config` refuses another KV-cache dtype)."""
+        return self._kv[layer]
 
     # -- one forward ------------------------------------------------------------------------------------
     def begin(self, rows: list[Row], input_ids: torch.Tensor | None = None) -> None:
@@ -309,13 +311,15 @@ class RingCache:
                     grid[:, row.first - self.rows[0].first] = write.to(device)
             self._head_slots = grid
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Write this forward's ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into the rings and return the
-        attention output ``[tokens, heads, head_dim]`` of ``query`` ``[tokens, heads, head_dim]`` (tokens of
-        rows vLLM padded get zeros)."""
-        output = torch.zeros_like(query)
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """Write this forward's ``key``/``value`` ``[tokens, kv_heads, head_dim]`` into the rings, and the attention
+        output of ``query`` ``[tokens, heads, head_dim]`` into ``output`` (its shape; tokens of rows vLLM padded get
+        zeros). The queries a policy keeps are copies: in a compiled forward ``query``'s buffer is reused."""
+        output.zero_()
         if self._index is None:
-            return output
+            return
         keys, values = self.kv(layer)
         base = self.rows[0].first
         end = self.rows[-1].last
@@ -331,24 +335,24 @@ class RingCache:
             q = query[row.first : row.last].transpose(0, 1)[None]  # [1, heads, q, dim]
             k = keys[row.block : row.block + 1, :, : row.count]
             v = values[row.block : row.block + 1, :, : row.count]
-            out = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=self.scaling, enable_gqa=True
-            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             output[row.first : row.last] = out[0].transpose(0, 1)
             if self.query_width:
-                ring = request.queries.setdefault(layer, deque(maxlen=self.query_width))
-                ring.append(q[0, :, -self.query_width :].clone())
+                self._keep_query(request, layer, q[0, :, -self.query_width :])
         if self._decode is not None:  # one token per row, over its own live slots (their order does not matter)
             for token, block, used, request in self._decode:
                 q = query[token : token + 1, :, None]  # [1, heads, 1, dim]
                 k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
-                out = F.scaled_dot_product_attention(
-                    q, k.to(q.dtype), v.to(q.dtype), scale=self.scaling, enable_gqa=True
-                )
-                output[token] = out[0, :, 0]
+                output[token] = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)[0, :, 0]
                 if self.query_width:
-                    request.queries.setdefault(layer, deque(maxlen=self.query_width)).append(q[0])
-        return output
+                    self._keep_query(request, layer, q[0])
+
+    def _keep_query(self, request: RingRequest, layer: int, queries: torch.Tensor) -> None:
+        """Keep a copy of ``queries`` ``[heads, q, dim]``, among ``request``'s last ``query_width`` in ``layer``."""
+        kept = request.queries.get(layer)
+        if kept is None:
+            kept = request.queries[layer] = deque(maxlen=self.query_width)
+        kept.append(queries.clone())
 
     def claim(self, prompt_ids: list[int]) -> RingRequest | None:
         """The oldest request not yet claimed whose prompt was ``prompt_ids`` (with ``report``), or None."""

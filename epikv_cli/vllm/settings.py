@@ -11,6 +11,8 @@ from epikv_cli.errors import UsageError
 
 #: The key of ``additional_config`` that holds epikv's settings.
 CONFIG_KEY = "epikv"
+#: The ops of :mod:`epikv_cli.vllm.ops`: a compiled forward is split at them (piecewise CUDA graphs run them eagerly).
+SPLITTING_OPS = ("epikv::ring_attention", "epikv::ring_tap")
 
 
 def config_for(settings: CacheSettings) -> dict:

@@ -1,4 +1,5 @@
-"""Tensor parallel 2 (two worker processes, gloo on this CPU) against tensor parallel 1, under eviction."""
+"""Tensor parallel 2 (two worker processes, gloo on this CPU) against tensor parallel 1, and a compiled engine against
+an eager one, under eviction (a tiny random Llama)."""
 
 from __future__ import annotations
 
@@ -35,27 +36,57 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(folder)
 
 
-POLICIES = ("epikv2", "epikv2:keep=global")
+#: Per-head keep-sets, a shared keep-set that reads attention, and EpiKV (hidden states, through the block taps).
+POLICIES = ("epikv2", "epikv2:keep=global", "epikv")
+#: Tensor parallel 2 runs the two that read attention (what each rank holds differs); compiled, the two that keep
+#: something of the forward (epikv2: recent queries; epikv: decoder block outputs).
+TWO_RANKS = POLICIES[:2]
+COMPILED = ("epikv2", "epikv")
 
 
-def start(model: str, tp: int) -> subprocess.Popen:
-    """Each policy's greedy tokens for :data:`PROMPTS` on ``tp`` ranks, in a process of its own (started at once:
-    the tiny model's compute is nothing beside vLLM's start-up, so the two runs overlap)."""
-    command = [sys.executable, str(Path(__file__).with_name("tp_run.py")), model, ",".join(POLICIES), str(BUDGET)]
-    command += [str(tp), str(NEW), json.dumps(PROMPTS)]
+def start(model: str, tp: int, policies: tuple[str, ...], compiled: bool = False) -> subprocess.Popen:
+    """Each policy's greedy tokens for :data:`PROMPTS` on ``tp`` ranks, in a process of its own (started together:
+    the tiny model's compute is nothing beside vLLM's start-up, so the runs overlap)."""
+    command = [sys.executable, str(Path(__file__).with_name("tp_run.py")), model, ",".join(policies), str(BUDGET)]
+    command += [str(tp), str(NEW), json.dumps(PROMPTS)] + (["compile"] if compiled else [])
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def tokens_of(process: subprocess.Popen) -> dict[str, list[list[int]]]:
+def result_of(process: subprocess.Popen) -> dict[str, dict]:
     out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_two_ranks_give_the_tokens_of_one(tiny_llama):
+@pytest.fixture(scope="module")
+def runs(tiny_llama) -> dict[str, dict]:
+    """One rank eager, two ranks eager, one rank compiled: each run's result per policy."""
+    processes = {
+        "two": start(tiny_llama, 2, TWO_RANKS),
+        "compiled": start(tiny_llama, 1, COMPILED, compiled=True),
+        "one": start(tiny_llama, 1, POLICIES),
+    }
+    return {name: result_of(process) for name, process in processes.items()}
+
+
+def test_two_ranks_give_the_tokens_of_one(runs):
     """Per-head keep-sets (each rank's own KV heads, no communication) and a shared keep-set (its attention scores
     averaged over the ranks): the same greedy tokens as on one rank, while the rings evict (K = 40, 60-75 tokens)."""
-    two_ranks, one_rank = start(tiny_llama, 2), start(tiny_llama, 1)
-    one, two = tokens_of(one_rank), tokens_of(two_ranks)
-    assert [[len(tokens) for tokens in one[policy]] for policy in POLICIES] == [[NEW] * len(PROMPTS)] * len(POLICIES)
-    assert two == one
+    one, two = runs["one"], runs["two"]
+    assert [[len(tokens) for tokens in one[policy]["tokens"]] for policy in POLICIES] == [[NEW] * len(PROMPTS)] * 3
+    assert all(count > 0 for policy in POLICIES for count in one[policy]["evicted"])  # every request evicts
+    assert {policy: two[policy]["tokens"] for policy in TWO_RANKS} == {
+        policy: one[policy]["tokens"] for policy in TWO_RANKS
+    }
+
+
+def test_a_compiled_engine_gives_the_tokens_and_evictions_of_an_eager_one(runs):
+    """vLLM's compiled forward (one Inductor graph on this CPU) reaches the rings through epikv's ops only: the same
+    greedy tokens and the same evicted positions at every step as the eager engine, for a policy that keeps queries
+    and one that reads decoder block outputs."""
+    compiled, eager = runs["compiled"], runs["one"]
+    assert {compiled[policy]["mode"] for policy in COMPILED} == {"DYNAMO_TRACE_ONCE"}
+    assert {eager[policy]["mode"] for policy in COMPILED} == {"NONE"}
+    for policy in COMPILED:
+        assert compiled[policy]["tokens"] == eager[policy]["tokens"], policy
+        assert compiled[policy]["trace"] == eager[policy]["trace"], policy
