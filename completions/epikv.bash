@@ -120,7 +120,7 @@ _epikv() {
             --max-model-len) COMPREPLY=(); return ;;
             --batch-size) COMPREPLY=(); return ;;
         esac
-        COMPREPLY=($(compgen -W "--model -m --dtype --budget -b --policy -p --recent --policy-option --host --port --max-model-len --batch-size --compile --print-command --help -h" -- "$cur")) ;;
+        COMPREPLY=($(compgen -W "--model -m --dtype --budget -b --policy -p --recent --policy-option --host --port --max-model-len --batch-size --compile --eager --print-command --help -h" -- "$cur")) ;;
     *) COMPREPLY=($(compgen -W "calibrate eval fidelity generate profile serve --version --install-completion --show-completion --help -h" -- "$cur")) ;;
     esac
 }

@@ -132,6 +132,7 @@ complete -c epikv -n '__fish_seen_subcommand_from serve' -l host -x -d 'Address 
 complete -c epikv -n '__fish_seen_subcommand_from serve' -l port -x -d 'Port to listen on.'
 complete -c epikv -n '__fish_seen_subcommand_from serve' -l max-model-len -x -d 'Longest request, prompt and new tokens (positions keep counting past K).'
 complete -c epikv -n '__fish_seen_subcommand_from serve' -l batch-size -x -d 'Most requests decoded together (vLLM\'s max_num_seqs).'
-complete -c epikv -n '__fish_seen_subcommand_from serve' -l compile -d 'Compile the model\'s forward: slow first steps, faster after (--engine vllm: vLLM\'s compile, a minute at start; on GPUs with CUDA graphs).'
+complete -c epikv -n '__fish_seen_subcommand_from serve' -l compile -d 'vLLM\'s compiled forward, as vllm serve runs (a minute at start; on GPUs piecewise CUDA graphs), or eager (starts in seconds, slower steps).'
+complete -c epikv -n '__fish_seen_subcommand_from serve' -l eager -d 'vLLM\'s compiled forward, as vllm serve runs (a minute at start; on GPUs piecewise CUDA graphs), or eager (starts in seconds, slower steps).'
 complete -c epikv -n '__fish_seen_subcommand_from serve' -l print-command -d 'Print the vllm serve command line instead of running it.'
 complete -c epikv -n '__fish_seen_subcommand_from serve' -l help -s h -d 'Show the help and exit.'

@@ -746,7 +746,15 @@ def serve(
         int, typer.Option(help="Longest request, prompt and new tokens (positions keep counting past K).")
     ] = 8192,
     batch_size: Annotated[int, typer.Option(help="Most requests decoded together (vLLM's max_num_seqs).")] = 8,
-    compile_model: CompileOption = False,
+    compile_model: Annotated[
+        bool,
+        typer.Option(
+            "--compile/--eager",
+            rich_help_panel=MODEL,
+            help="vLLM's compiled forward, as vllm serve runs (a minute at start; on GPUs piecewise CUDA graphs), "
+            "or eager (starts in seconds, slower steps).",
+        ),
+    ] = True,
     print_command: Annotated[
         bool, typer.Option("--print-command", help="Print the vllm serve command line instead of running it.")
     ] = False,

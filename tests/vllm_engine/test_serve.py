@@ -34,7 +34,7 @@ def test_a_completion_request_is_answered_under_eviction(demo):
     """The server's greedy completion of a token-id prompt is the transformers engine's under the same policy and
     budget, token for token, while 42 entries leave each ring."""
     port = free_port()
-    command = [sys.executable, "-m", "epikv_cli", "serve", "--budget", str(BUDGET), "--policy", "epikv2"]
+    command = [sys.executable, "-m", "epikv_cli", "serve", "--budget", str(BUDGET), "--policy", "epikv2", "--eager"]
     command += ["--port", str(port), "--max-model-len", "512", "--dtype", "float32"]
     # vLLM's own process layout, as a user's shell gives it: the API server and an engine-core process
     env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
