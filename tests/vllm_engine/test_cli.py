@@ -21,8 +21,10 @@ TRANSFORMERS_EPIKV = [
     "-m",
     "epikv_cli",
 ]
-#: epikv under eviction (K = 64, 48 tokens), in fp32 so that both engines' greedy choices are comparable.
-RUN = ["--budget", "64", "--policy", "epikv", "-n", "48", "--ignore-eos", "--dtype", "float32"]
+#: epikv under eviction (K = 64, 48 tokens).
+EVICTING = ["--budget", "64", "--policy", "epikv", "-n", "48", "--ignore-eos"]
+#: ... in fp32, so that both engines' greedy choices are comparable.
+RUN = [*EVICTING, "--dtype", "float32"]
 
 
 def epikv(command: list[str], *args: str) -> subprocess.CompletedProcess:
@@ -43,11 +45,12 @@ def both(first: list[str], second: list[str]) -> tuple[subprocess.CompletedProce
 
 def test_one_prompt_gives_the_transformers_engines_text_and_json_keys():
     """The same greedy text under eviction (epikv: its hidden-state taps run in vLLM's decoder blocks) and the same
-    JSON keys, with the same counts of tokens and evictions."""
+    JSON keys, with the same counts of tokens and evictions. ``--dtype`` is left at ``auto``, which is the
+    checkpoint's float32 on both engines (vLLM's own ``auto`` would run it in bfloat16, and the text would part)."""
     prompt = "Explain step by step why the sum of two odd numbers is always even."
     ours, theirs = both(
-        [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *ONE_THREAD, *RUN, prompt],
-        [*TRANSFORMERS_EPIKV, "generate", "--json", *ONE_THREAD, *RUN, prompt],
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *ONE_THREAD, *EVICTING, prompt],
+        [*TRANSFORMERS_EPIKV, "generate", "--json", *ONE_THREAD, *EVICTING, prompt],
     )
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert theirs.returncode == 0, theirs.stderr[-2000:]
