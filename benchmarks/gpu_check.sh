@@ -63,8 +63,8 @@ part compile_off_llama8b_l8 50 "${LLAMA8[@]}" --policies streaming,epikv "${PC[@
 part compile_on_llama8b_l8 130 "${LLAMA8[@]}" --policies streaming,epikv "${PC[@]}" --compile
 
 # (4) issue 38: the vLLM engine on the QwQ-32B shape (random weights, load_format="dummy"), K = 8192, batch 1 / 8 / 32:
-# stock vLLM with CUDA graphs against the plugin (piecewise CUDA graphs between its ops). Needs vLLM 0.32 in the image (`pip install 'epikv[vllm]'`;
-# its wheel is too big to carry); without it the part says so and is skipped.
+# stock vLLM with CUDA graphs against the plugin (piecewise CUDA graphs between its ops). Needs vLLM 0.32 in the
+# image (`pip install 'epikv[vllm]'`; its wheel is too big to carry); without it the part says so and is skipped.
 if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
     VLLM_ARGS=(--shape qwen3-8b --layers 2 --budget 96 --batches 1,2 --prompt 48 --new 64 --smoke); VLLM_LIMIT=$LIMIT
 else

@@ -49,22 +49,22 @@ class VllmSettings:
     eager: bool = True
 
 
-def checkpoint_dtype(model: str, dtype: str) -> str:
-    """``dtype``, with ``auto`` read as the checkpoint's own dtype, as the transformers engine reads it (vLLM's
-    ``auto`` runs a float32 checkpoint in bfloat16); ``auto`` when the config names none."""
+def checkpoint_dtype(config, dtype: str) -> str:
+    """``dtype``, with ``auto`` read as the dtype of the checkpoint whose ``config`` this is, as the transformers
+    engine reads it (vLLM's ``auto`` runs a float32 checkpoint in bfloat16); ``auto`` when the config names none."""
     if dtype != "auto":
         return dtype
-    text = AutoConfig.from_pretrained(model).get_text_config(decoder=True)
-    named = str(getattr(text, "dtype", None) or "").removeprefix("torch.")
+    named = str(getattr(config.get_text_config(decoder=True), "dtype", None) or "").removeprefix("torch.")
     return named if named in ("float32", "bfloat16", "float16") else "auto"
 
 
 def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
     """Keyword arguments for ``vllm.LLM`` (and ``vllm serve``'s flags) that run ``cache``'s policy on ``engine``."""
     check_policy(cache)
+    config = AutoConfig.from_pretrained(engine.model)
     arguments = {
         "model": engine.model,
-        "dtype": checkpoint_dtype(engine.model, engine.dtype),
+        "dtype": checkpoint_dtype(config, engine.dtype),
         "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.max_num_seqs,
         "tensor_parallel_size": engine.tensor_parallel,
@@ -77,11 +77,10 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         arguments["kv_cache_memory_bytes"] = engine.kv_cache_bytes
     if cache.policy == "full":
         return arguments
-    stock = AutoConfig.from_pretrained(engine.model).architectures
     extra = config_for(cache)
     extra["epikv"].update(trace=engine.trace, report=engine.report)
     arguments.update(
-        hf_overrides={"architectures": [architecture_for(stock)]},
+        hf_overrides={"architectures": [architecture_for(config.architectures)]},
         additional_config=extra,
         enable_chunked_prefill=False,
         max_num_batched_tokens=engine.max_model_len,
@@ -109,9 +108,10 @@ def ring_of(llm) -> RingCache:
 def request_bytes(model: str, cache: CacheSettings, max_model_len: int, dtype: str) -> int:
     """The KV memory one request takes on this engine: every layer's ring of C = K + 1 slots (stock vLLM, for
     ``full``: ``max_model_len`` slots in 128-token blocks), keys and values."""
-    text = AutoConfig.from_pretrained(model).get_text_config(decoder=True)
+    config = AutoConfig.from_pretrained(model)
+    text = config.get_text_config(decoder=True)
     heads = text.num_key_value_heads or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    element = 4 if checkpoint_dtype(model, dtype) == "float32" else 2
+    element = 4 if checkpoint_dtype(config, dtype) == "float32" else 2
     slots = ring_capacity(cache) if cache.policy != "full" else -(-max_model_len // 128) * 128
     return text.num_hidden_layers * slots * heads * 2 * head_dim * element
