@@ -123,6 +123,29 @@ def require_seed(seed: int | None) -> int | None:
     return seed
 
 
+@dataclass
+class Calibration:
+    """Band layers measured for one model by ``epikv calibrate`` (stored by :mod:`epikv_cli.models.calibration`),
+    and where they are stored."""
+
+    model: str
+    bands: list[tuple[int, float]]
+    spearman: list[float]  # per layer
+    windows: int
+    prompts: int
+    new_tokens: int
+    path: str = ""
+
+    @classmethod
+    def from_record(cls, record: dict) -> Calibration:
+        """A calibration from its JSON record (a saved file, or the one the vLLM engine's settings carry); raises
+        ``KeyError``, ``TypeError`` or ``ValueError`` when ``record`` is not one."""
+        return cls(**{**record, "bands": [(int(layer), float(sign)) for layer, sign in record["bands"]]})
+
+    def describe(self) -> str:
+        return f"calibrated ({self.path})"
+
+
 @dataclass(frozen=True)
 class CacheSettings:
     """How the KV cache is bounded and which policy evicts.

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from epikv_cli.config import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from epikv_cli.data.prompts import build_input_ids
 from epikv_cli.errors import UsageError
+from epikv_cli.models.calibration import load_calibration, model_key
 from epikv_cli.models.loading import resolve_source
 from epikv_cli.runtime.batchgen import Request
 
@@ -103,6 +104,7 @@ def open_engine(
         report=True,
         progress=False,
         eager=not settings.compile,
+        calibration=load_calibration(model_key(resolve_source(path))),
     )
     eos = set()
     for value in (config.eos_token_id, tokenizer.eos_token_id):  # an id, a list of ids, or None
@@ -190,6 +192,7 @@ def serve_command(
         max_model_len=max_model_len,
         max_num_seqs=batch,
         eager=not model_settings.compile,
+        calibration=load_calibration(model_key(resolve_source(path))),
     )
     arguments = engine_arguments(cache, engine)
     model = arguments.pop("model")

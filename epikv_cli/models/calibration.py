@@ -8,27 +8,12 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from epikv_cli.config import Calibration
 from epikv_cli.errors import EpikvWarning, WriteError, writing
 from epikv_cli.models.demo import cache_dir
-
-
-@dataclass
-class Calibration:
-    """Band layers measured for one model, and where they are stored."""
-
-    model: str
-    bands: list[tuple[int, float]]
-    spearman: list[float]  # per layer
-    windows: int
-    prompts: int
-    new_tokens: int
-    path: str = ""
-
-    def describe(self) -> str:
-        return f"calibrated ({self.path})"
 
 
 def bands_path(model_key: str) -> Path:
@@ -45,9 +30,7 @@ def load_calibration(model_key: str) -> Calibration | None:
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text())
-        data["bands"] = [(int(layer), float(sign)) for layer, sign in data["bands"]]
-        return Calibration(**{**data, "path": str(path)})
+        return Calibration.from_record({**json.loads(path.read_text()), "path": str(path)})
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else "not a saved calibration"
         warnings.warn(

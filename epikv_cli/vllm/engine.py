@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig
 
-from epikv_cli.config import CacheSettings
+from epikv_cli.config import CacheSettings, Calibration
 from epikv_cli.vllm.ring import RingCache, check_policy, ring_capacity
 from epikv_cli.vllm.settings import SPLITTING_OPS, architecture_for, config_for
 
@@ -34,6 +34,7 @@ class VllmSettings:
         progress: vLLM's progress bar while it loads the weights.
         eager: run the model eagerly (starts in seconds) instead of compiled (vLLM's default: a minute or more
             to compile at the first start, faster steps; on GPUs, piecewise CUDA graphs).
+        calibration: the model's saved calibration (EpiKV's bands, as the transformers engine reads them), if any.
     """
 
     model: str
@@ -47,6 +48,7 @@ class VllmSettings:
     report: bool = False
     progress: bool = True
     eager: bool = True
+    calibration: Calibration | None = None
 
 
 def checkpoint_dtype(config, dtype: str) -> str:
@@ -77,7 +79,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
         arguments["kv_cache_memory_bytes"] = engine.kv_cache_bytes
     if cache.policy == "full":
         return arguments
-    extra = config_for(cache)
+    extra = config_for(cache, engine.calibration)
     extra["epikv"].update(trace=engine.trace, report=engine.report)
     arguments.update(
         hf_overrides={"architectures": [architecture_for(config.architectures)]},

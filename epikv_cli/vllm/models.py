@@ -27,7 +27,7 @@ from epikv_cli.config import CacheSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.vllm.backend import EpiKVBackend, EpiKVRingSpec
 from epikv_cli.vllm.ring import RingCache, ring_capacity
-from epikv_cli.vllm.settings import CONFIG_KEY, settings_from_config
+from epikv_cli.vllm.settings import CONFIG_KEY, calibration_from_config, settings_from_config
 
 
 class EpiKVAttention(nn.Module, AttentionLayerBase):
@@ -94,6 +94,7 @@ class EpiKVMixin:
             len(blocks),
             ring_capacity(settings),
             stock[0].impl.scale,
+            calibration=calibration_from_config(vllm_config.additional_config),
             trace=bool(flags.get("trace")),
             report=bool(flags.get("report")),
             reduce=_rank_mean() if get_tensor_model_parallel_world_size() > 1 else None,

@@ -6,7 +6,9 @@ so every worker builds the same policies from it.
 
 from __future__ import annotations
 
-from epikv_cli.config import CacheSettings
+from dataclasses import asdict
+
+from epikv_cli.config import CacheSettings, Calibration
 from epikv_cli.errors import UsageError
 
 #: The key of ``additional_config`` that holds epikv's settings.
@@ -15,8 +17,10 @@ CONFIG_KEY = "epikv"
 SPLITTING_OPS = ("epikv::ring_attention", "epikv::ring_tap")
 
 
-def config_for(settings: CacheSettings) -> dict:
-    """``additional_config`` for an engine whose requests run under ``settings``."""
+def config_for(settings: CacheSettings, calibration: Calibration | None = None) -> dict:
+    """``additional_config`` for an engine whose requests run under ``settings``, on a model whose saved
+    ``calibration`` (EpiKV's bands) travels with them: every worker, on every node, reads the bands the command
+    read, whatever its own cache directory holds."""
     return {
         CONFIG_KEY: {
             "policy": settings.policy,
@@ -25,6 +29,7 @@ def config_for(settings: CacheSettings) -> dict:
             "bands": [list(band) for band in settings.bands] if settings.bands is not None else None,
             "seed": settings.seed,
             "options": [list(pair) for pair in settings.options],
+            "calibration": asdict(calibration) if calibration is not None else None,
         }
     }
 
@@ -46,6 +51,12 @@ def settings_from_config(additional_config: dict | None) -> CacheSettings:
         seed=values.get("seed", 0),
         options=tuple((str(key), str(value)) for key, value in values.get("options", ())),
     )
+
+
+def calibration_from_config(additional_config: dict | None) -> Calibration | None:
+    """The model's calibration ``additional_config`` carries (:func:`config_for`), if any."""
+    record = ((additional_config or {}).get(CONFIG_KEY) or {}).get("calibration")
+    return Calibration.from_record(record) if record is not None else None
 
 
 #: vLLM architecture name of each epikv model class -> the stock architecture it bounds (``hf_overrides`` picks it).

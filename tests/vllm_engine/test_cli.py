@@ -12,6 +12,10 @@ from harness import ROOT
 from typer.testing import CliRunner
 
 from epikv_cli.cli.app import app
+from epikv_cli.config import Calibration
+from epikv_cli.models.calibration import model_key, save_calibration
+from epikv_cli.models.demo import CACHE_ENV, demo_model_dir
+from epikv_cli.models.loading import resolve_source
 
 VLLM_EPIKV = [sys.executable, "-m", "epikv_cli"]
 #: Each engine on one core of the two: vLLM's engine takes torch's threads (one per core) unless told.
@@ -31,10 +35,13 @@ def epikv(command: list[str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*command, *args], capture_output=True, text=True, check=False, timeout=600)
 
 
-def both(first: list[str], second: list[str]) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def both(
+    first: list[str], second: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """Two commands at once (vLLM's engine keeps to one core; the transformers engine takes the other)."""
     started = [
-        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in (first, second)
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for args in (first, second)
     ]
     done = []
     for process, args in zip(started, (first, second)):
@@ -43,14 +50,23 @@ def both(first: list[str], second: list[str]) -> tuple[subprocess.CompletedProce
     return done[0], done[1]
 
 
-def test_one_prompt_gives_the_transformers_engines_text_and_json_keys():
+def test_one_prompt_gives_the_transformers_engines_text_and_json_keys(tmp_path: Path, monkeypatch):
     """The same greedy text under eviction (epikv: its hidden-state taps run in vLLM's decoder blocks) and the same
     JSON keys, with the same counts of tokens and evictions. ``--dtype`` is left at ``auto``, which is the
-    checkpoint's float32 on both engines (vLLM's own ``auto`` would run it in bfloat16, and the text would part)."""
+    checkpoint's float32 on both engines (vLLM's own ``auto`` would run it in bfloat16, and the text would part).
+    The model has a saved calibration (bands no default has): both engines run epikv on its bands."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(demo_model_dir().parent)  # the demo model as extracted; the bands in tmp_path
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    calibrated = [(4, 1.0), (19, -1.0)]
+    key = model_key(resolve_source(str(demo_model_dir())))
+    save_calibration(Calibration(key, calibrated, [0.0] * 30, 10, 2, 64), key)
     prompt = "Explain step by step why the sum of two odd numbers is always even."
     ours, theirs = both(
         [*VLLM_EPIKV, "generate", "--engine", "vllm", "--json", *ONE_THREAD, *EVICTING, prompt],
         [*TRANSFORMERS_EPIKV, "generate", "--json", *ONE_THREAD, *EVICTING, prompt],
+        env=dict(os.environ),
     )
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert theirs.returncode == 0, theirs.stderr[-2000:]
@@ -60,7 +76,9 @@ def test_one_prompt_gives_the_transformers_engines_text_and_json_keys():
     for key in ("prompt_tokens", "generated_tokens", "evicted", "peak_stored", "budget", "policy", "stop_reason"):
         assert mine[key] == reference[key], key
     assert reference["evicted"] > 0
-    assert mine["policy_report"]["bands"] == reference["policy_report"]["bands"]
+    assert mine["policy_report"]["bands"] == reference["policy_report"]["bands"] == [list(b) for b in calibrated]
+    assert mine["policy_report"]["bands_source"] == reference["policy_report"]["bands_source"]
+    assert mine["policy_report"]["bands_source"].startswith(f"calibrated ({cache}")
 
 
 def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
