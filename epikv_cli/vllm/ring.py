@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -92,37 +92,76 @@ class RingRequest:
     """One request's ring: its slot table (shared keep-sets) or per-head slots (granular ones), and its policy.
 
     Attributes:
-        queries: evicting layer -> the newest query vectors ``[heads, n, head_dim]`` (after RoPE), at most
-            ``policy.attention_needs.queries`` of them in all (policies that read queries only).
+        queries: how many of its query vectors the ring has taken in (:class:`RecentQueries` keeps the newest).
     """
 
     block: int
     policy: Policy
     table: SlotTable
     heads: HeadSlots | None = None
-    queries: dict[int, deque] = field(default_factory=dict)
+    queries: int = 0
     evicted_total: int = 0
     peak_stored: int = 0
     trace: list[list[int]] | None = None
     write: torch.Tensor | None = None  # [layers, heads] this step's per-head slots (a granular vacancy), or None
 
 
-class RecentQueries(Mapping):
-    """Layer -> its newest ``width`` queries ``[heads, w, head_dim]``, oldest first, joined only when a policy reads
-    them (a refresh, every ``period`` steps), not every step."""
+class RecentQueries:
+    """Every request's newest ``width`` query vectors (after RoPE) in each layer, for policies that read them: per
+    layer ``[blocks, heads, width, head_dim]``, request block ``b``'s in row ``b``, its ``n``-th query in column
+    ``n % width``. One write per layer and forward takes in every row's queries (a copy: in a compiled forward the
+    query buffer is reused); a policy joins them, oldest first, only when it reads them (a refresh)."""
 
-    def __init__(self, rings: dict[int, deque], width: int) -> None:
-        self.rings = rings
+    def __init__(self, width: int) -> None:
         self.width = width
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def columns(self, taken: int, count: int) -> torch.Tensor:
+        """``[min(count, width)]``: where the last of ``count`` new queries go after ``taken`` (the older ones of a
+        long prompt are never read)."""
+        kept = min(count, self.width)
+        return torch.arange(taken + count - kept, taken + count) % self.width
+
+    def write(self, layer: int, blocks: torch.Tensor, columns: torch.Tensor, queries: torch.Tensor) -> None:
+        """Keep ``queries`` ``[m, heads, head_dim]`` in layer ``layer``, the ``i``-th in row ``blocks[i]``, column
+        ``columns[i]``."""
+        buffer = self.buffers.get(layer)
+        if buffer is None:
+            raise RuntimeError(f"layer {layer}: no query buffer (RecentQueries.allocate first)")
+        buffer[blocks, :, columns] = queries
+
+    def allocate(self, layer: int, blocks: int, heads: int, dim: int, like: torch.Tensor) -> None:
+        """Layer ``layer``'s buffer for ``blocks`` request blocks, in ``like``'s dtype and device."""
+        if layer not in self.buffers:
+            self.buffers[layer] = torch.zeros(blocks, heads, self.width, dim, dtype=like.dtype, device=like.device)
+
+    def of(self, block: int, taken: int) -> Mapping[int, torch.Tensor]:
+        """Request block ``block``'s queries, ``taken`` in all so far: layer -> ``[heads, w, head_dim]``, oldest
+        first (``w = min(taken, width)``)."""
+        return _BlockQueries(self, block, taken)
+
+
+class _BlockQueries(Mapping):
+    """One request's view of :class:`RecentQueries` (layer -> its newest queries, oldest first)."""
+
+    def __init__(self, queries: RecentQueries, block: int, taken: int) -> None:
+        self.queries = queries
+        self.block = block
+        self.taken = taken
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return torch.cat(list(self.rings[layer]), dim=1)[:, -self.width :]
+        rows = self.queries.buffers[layer][self.block]
+        width = self.queries.width
+        if self.taken < width:  # not a lap yet: columns 0 .. taken - 1, in order
+            return rows[:, : self.taken]
+        start = self.taken % width  # the oldest
+        return torch.cat([rows[:, start:], rows[:, :start]], dim=1) if start else rows
 
     def __iter__(self):
-        return iter(self.rings)
+        return iter(self.queries.buffers)
 
     def __len__(self) -> int:
-        return len(self.rings)
+        return len(self.queries.buffers)
 
 
 class RingView:
@@ -160,6 +199,50 @@ class RingView:
         b, used = self.request.block, self.request.table.used
         keys, values = self.cache.kv(index)
         return keys[b : b + 1, :, :used], values[b : b + 1, :, :used]
+
+
+@dataclass
+class DecodeRows:
+    """A forward's decode rows (one token each, over its request's ``used`` live slots) and how they attend.
+
+    When every row uses as many slots (a batch whose rings are full, or started together) and their blocks lie close
+    together (vLLM hands out free blocks from the bottom), they attend in one call over the slots ``0 .. used - 1``
+    of blocks ``first .. first + span - 1``, a view of the pages (no gather; a block of the range that does not
+    decode is computed and dropped). Otherwise, each row attends alone (:attr:`alone`). Both give the same numbers:
+    a masked call would not (its kernel sums in another order, and a greedy near-tie can turn).
+
+    Attributes:
+        rows: ``(token in the forward, block, used slots)`` per row.
+        tokens, offsets: ``[n]`` each row's token, and its block's place in the range (batched only).
+        ordered: the rows are the range's blocks in order, at consecutive tokens (batched only: no scatter).
+    """
+
+    rows: list[tuple[int, int, int]]
+    first: int = 0
+    span: int = 0
+    used: int = 0
+    tokens: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    ordered: bool = False
+
+    @property
+    def alone(self) -> bool:
+        return self.tokens is None
+
+    @classmethod
+    def plan(cls, rows: list[tuple[int, int, int]], device) -> DecodeRows:
+        """The plan for ``rows``: batched when they use as many slots each and their blocks span at most twice as
+        many blocks as there are rows."""
+        blocks = [block for _, block, _ in rows]
+        first, span = min(blocks), max(blocks) - min(blocks) + 1
+        used = {used for _, _, used in rows}
+        if len(rows) < 2 or span > 2 * len(rows) or len(used) > 1:
+            return cls(rows)
+        offsets = [block - first for block in blocks]
+        tokens = [token for token, _, _ in rows]
+        ordered = offsets == list(range(span)) and tokens == list(range(tokens[0], tokens[0] + span))
+        index = torch.tensor([tokens, offsets], device=device)
+        return cls(rows, first, span, used.pop(), index[0], index[1], ordered)
 
 
 class RingCache:
@@ -206,15 +289,16 @@ class RingCache:
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
-        self.query_width = probe.attention_needs.queries if probe.attention_needs is not None else 0
+        width = probe.attention_needs.queries if probe.attention_needs is not None else 0
+        self.queries = RecentQueries(width) if width else None  # the queries policies read, if they read any
         if probe.attention_needs is not None and (probe.attention_needs.received or probe.attention_needs.last_row):
             raise UsageError(f"policy {settings.policy!r} reads attention weights, which --engine vllm does not record")
         self.rows: list[Row] = []
         self.hidden: dict[int, torch.Tensor] = {}  # tap layer -> [tokens, hidden] this forward's block outputs
         self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._head_slots: torch.Tensor | None = None  # [layers, tokens, heads] when some row writes per head
-        #: the decode rows: ``(token in the forward, block, used slots, request)`` each
-        self._decode: list[tuple[int, int, int, RingRequest]] | None = None
+        self._decode: DecodeRows | None = None
+        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # queries kept: tokens, rows, columns
 
     # -- the pages vLLM allocated ----------------------------------------------------------------------
     def bind(self, layer: int, pages: torch.Tensor) -> None:
@@ -249,7 +333,7 @@ class RingCache:
         ``report``)."""
         self.rows = [row for row in rows if row.block != 0]  # block 0: vLLM's padding rows, which write nothing
         self.hidden = {}
-        starts, per_head = [], False
+        starts, per_head, kept = [], False, []
         for row in self.rows:
             request = self.requests.get(row.block)
             if row.computed == 0:
@@ -263,11 +347,20 @@ class RingCache:
                     "keep chunked prefill, prefix caching and speculative decoding off"
                 )
             first = request.table.seen
+            if self.queries is not None:
+                kept.append((row, self.queries.columns(request.queries, row.count)))
+                request.queries += row.count
             plan = request.table.append(row.count)
             request.write = request.heads.append(plan.start, row.count, first) if request.heads is not None else None
             per_head |= request.write is not None
             starts.append(plan.start)
         self._plan(starts, per_head)
+        self._kept = None
+        if kept:  # each row's newest queries: which tokens of the forward, into which request row and column
+            tokens = torch.cat([torch.arange(row.last - columns.numel(), row.last) for row, columns in kept])
+            blocks = torch.cat([torch.full((columns.numel(),), row.block) for row, columns in kept])
+            device = self.buffers[0].device
+            self._kept = tokens.to(device), blocks.to(device), torch.cat([c for _, c in kept]).to(device)
 
     def _admit(self, row: Row) -> RingRequest:
         """A new request (or one vLLM preempted and now recomputes from its start) in block ``row.block``."""
@@ -301,8 +394,8 @@ class RingCache:
             slots.to(device)[:, None].expand(tokens, heads),
         )
         self._head_slots = None
-        decoding = [(row.first, row.block, self.requests[row.block]) for row in self.rows if row.count == 1]
-        self._decode = [(token, block, request.table.used, request) for token, block, request in decoding] or None
+        decoding = [(row.first, row.block, self.requests[row.block].table.used) for row in self.rows if row.count == 1]
+        self._decode = DecodeRows.plan(decoding, device) if decoding else None
         if per_head:  # a granular row fills each (layer, head)'s own vacant slot
             grid = self._index[2][None].expand(self.num_layers, tokens, heads).clone()
             for row in self.rows:
@@ -331,28 +424,42 @@ class RingCache:
         for row in self.rows:  # prompts: causal attention over the prompt, slots in position order
             if row.count == 1:
                 continue
-            request = self.requests[row.block]
             q = query[row.first : row.last].transpose(0, 1)[None]  # [1, heads, q, dim]
             k = keys[row.block : row.block + 1, :, : row.count]
             v = values[row.block : row.block + 1, :, : row.count]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             output[row.first : row.last] = out[0].transpose(0, 1)
-            if self.query_width:
-                self._keep_query(request, layer, q[0, :, -self.query_width :])
-        if self._decode is not None:  # one token per row, over its own live slots (their order does not matter)
-            for token, block, used, request in self._decode:
+        if self._decode is not None:
+            self._attend_decoding(self._decode, query, keys, values, output)
+        if self._kept is not None:
+            tokens, rows, columns = self._kept
+            self.queries.allocate(layer, keys.shape[0], query.shape[1], query.shape[2], query)
+            self.queries.write(layer, rows, columns, query[tokens])
+
+    def _attend_decoding(
+        self, decode: DecodeRows, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """The decode rows' attention, each over its own live slots (their order does not matter): one call over
+        the range of blocks they lie in, or one call per row (:class:`DecodeRows`)."""
+        if decode.alone:
+            for token, block, used in decode.rows:
                 q = query[token : token + 1, :, None]  # [1, heads, 1, dim]
                 k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
                 output[token] = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)[0, :, 0]
-                if self.query_width:
-                    self._keep_query(request, layer, q[0])
-
-    def _keep_query(self, request: RingRequest, layer: int, queries: torch.Tensor) -> None:
-        """Keep a copy of ``queries`` ``[heads, q, dim]``, among ``request``'s last ``query_width`` in ``layer``."""
-        kept = request.queries.get(layer)
-        if kept is None:
-            kept = request.queries[layer] = deque(maxlen=self.query_width)
-        kept.append(queries.clone())
+            return
+        first, span = decode.first, decode.span
+        if decode.ordered:
+            start = decode.rows[0][0]
+            q = query[start : start + span, :, None]  # [span, heads, 1, dim]
+        else:
+            q = query.new_zeros(span, query.shape[1], 1, query.shape[2])
+            q[decode.offsets] = query[decode.tokens, :, None]
+        k, v = keys[first : first + span, :, : decode.used], values[first : first + span, :, : decode.used]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)
+        if decode.ordered:
+            output[start : start + span] = out[:, :, 0]
+        else:
+            output[decode.tokens] = out[decode.offsets, :, 0]
 
     def claim(self, prompt_ids: list[int]) -> RingRequest | None:
         """The oldest request not yet claimed whose prompt was ``prompt_ids`` (with ``report``), or None."""
@@ -385,11 +492,8 @@ class RingCache:
                 table.prompt_len = len(appended)
             hidden = {layer: states[row.first : row.last][None] for layer, states in self.hidden.items()}
             record = None
-            if self.query_width:
-                record = AttentionRecord(
-                    queries=RecentQueries(request.queries, self.query_width),
-                    scaling=self._scalings,
-                )
+            if self.queries is not None:
+                record = AttentionRecord(queries=self.queries.of(row.block, request.queries), scaling=self._scalings)
             view = RingView(self, request)
             signals = Signals(appended, appended.start == 0, hidden, record, view)
             observed = observe(request.policy, signals)

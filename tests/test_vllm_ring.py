@@ -1,0 +1,127 @@
+"""The vLLM engine's rings without vLLM (epikv_cli/vllm/ring.py is plain torch): a step's decode attention, one call
+over a range of blocks or one per request, against a softmax written out and against one SDPA call per request
+(the same numbers); the recent queries a policy reads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from epikv_cli.config import CacheSettings
+from epikv_cli.vllm.ring import DecodeRows, RecentQueries, RingCache, Row
+
+HEADS, KV_HEADS, DIM, BUDGET, BLOCKS = 4, 2, 8, 6, 8
+SCALE = DIM**-0.5
+
+
+def rings() -> RingCache:
+    """Rings of C = K + 1 slots for ``BLOCKS`` request blocks, one layer, streaming (it reads nothing of a step)."""
+    cache = RingCache(CacheSettings(budget=BUDGET, policy="streaming"), 1, BUDGET + 1, SCALE)
+    cache.bind(0, torch.zeros(BLOCKS, KV_HEADS, BUDGET + 1, 2 * DIM))
+    return cache
+
+
+def forward(cache: RingCache, rows: list[Row], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``rows`` through the rings (random queries, keys and values); its queries and output."""
+    tokens = max(row.last for row in rows)
+    query = torch.randn(tokens, HEADS, DIM, generator=generator)
+    key = torch.randn(tokens, KV_HEADS, DIM, generator=generator)
+    value = torch.randn(tokens, KV_HEADS, DIM, generator=generator)
+    output = torch.empty_like(query)
+    cache.begin(rows)
+    cache.attend(0, query, key, value, output)
+    cache.finish()
+    return query, output
+
+
+def prefill(cache: RingCache, lengths: dict[int, int], generator: torch.Generator) -> None:
+    """Start a request of ``lengths[block]`` prompt tokens in each block (one forward)."""
+    rows, first = [], 0
+    for block, length in lengths.items():
+        rows.append(Row(block, 0, first, first + length))
+        first += length
+    forward(cache, rows, generator)
+
+
+def written_out(cache: RingCache, query: torch.Tensor, block: int) -> torch.Tensor:
+    """``[heads, dim]``: ``query`` ``[heads, dim]``'s attention over block ``block``'s live slots, as a float64
+    softmax (query head h reads KV head h // (HEADS // KV_HEADS))."""
+    keys, values = cache.kv(0)
+    used = cache.requests[block].table.used
+    k = keys[block, :, :used].double().repeat_interleave(HEADS // KV_HEADS, dim=0)  # [heads, used, dim]
+    v = values[block, :, :used].double().repeat_interleave(HEADS // KV_HEADS, dim=0)
+    weights = torch.softmax((k @ query.double()[:, :, None])[..., 0] * SCALE, dim=-1)  # [heads, used]
+    return (weights[:, :, None] * v).sum(dim=1)
+
+
+def one_call_each(cache: RingCache, query: torch.Tensor, token: int, block: int) -> torch.Tensor:
+    """``[heads, dim]``: the attention of token ``token`` as one SDPA call over its block's live slots."""
+    keys, values = cache.kv(0)
+    used = cache.requests[block].table.used
+    q = query[token : token + 1, :, None]
+    k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
+    return F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)[0, :, 0]
+
+
+def decode(cache: RingCache, blocks: list[int], generator: torch.Generator) -> tuple[DecodeRows, torch.Tensor]:
+    """One decode step of the requests in ``blocks`` (in that order in the forward); its plan, and checks its
+    output: each token's equals one SDPA call of its own, exactly, and the softmax written out."""
+    rows = [Row(block, cache.requests[block].table.seen, i, i + 1) for i, block in enumerate(blocks)]
+    query, output = forward(cache, rows, generator)
+    plan = DecodeRows.plan([(i, block, 0) for i, block in enumerate(blocks)], "cpu")  # only for the block layout
+    for token, block in enumerate(blocks):
+        assert torch.equal(output[token], one_call_each(cache, query, token, block))
+        torch.testing.assert_close(output[token], written_out(cache, query[token], block).float())
+    return plan, output
+
+
+def test_requests_in_consecutive_blocks_attend_in_one_call_with_each_ones_numbers():
+    generator = torch.Generator().manual_seed(0)
+    cache = rings()
+    prefill(cache, {1: 3, 2: 3, 3: 3}, generator)
+    for _ in range(6):  # fills the rings (used reaches C), then evicts every step
+        decode(cache, [1, 2, 3], generator)
+    plan = cache._decode
+    assert (plan.alone, plan.ordered, plan.first, plan.span, plan.used) == (False, True, 1, 3, BUDGET + 1)
+
+
+def test_blocks_out_of_order_or_with_a_gap_are_scattered_into_one_call():
+    generator = torch.Generator().manual_seed(1)
+    cache = rings()
+    prefill(cache, {4: 2, 1: 2, 3: 2}, generator)  # block 2 holds no request
+    for _ in range(7):
+        decode(cache, [4, 1, 3], generator)
+    plan = cache._decode
+    assert (plan.alone, plan.ordered, plan.first, plan.span) == (False, False, 1, 4)
+    assert plan.offsets.tolist() == [3, 0, 2]
+
+
+def test_requests_of_different_lengths_or_far_apart_attend_one_call_each():
+    generator = torch.Generator().manual_seed(2)
+    cache = rings()
+    prefill(cache, {1: 2, 2: 4}, generator)
+    decode(cache, [1, 2], generator)
+    assert cache._decode.alone  # 3 and 5 slots used
+    for _ in range(4):
+        decode(cache, [1, 2], generator)  # both rings full: 7 slots each
+    assert not cache._decode.alone
+    assert DecodeRows.plan([(0, 1, 7), (1, 7, 7)], "cpu").alone  # 7 blocks for 2 rows
+
+
+def test_recent_queries_are_the_newest_oldest_first_across_laps():
+    """A 20-token prompt keeps its last 16 queries; decode steps overwrite the oldest; a request read before a lap
+    reads what it has."""
+    width, heads, dim = 16, 3, 4
+    queries = RecentQueries(width)
+    like = torch.zeros(())
+    queries.allocate(0, 4, heads, dim, like)
+    history = torch.randn(40, heads, dim)
+    taken = 0
+    for count in (20, *([1] * 20)):
+        new = history[taken : taken + count]
+        columns = queries.columns(taken, count)
+        queries.write(0, torch.full((columns.numel(),), 2), columns, new[-columns.numel() :])
+        taken += count
+        assert torch.equal(queries.of(2, taken)[0], history[max(0, taken - width) : taken].transpose(0, 1))
+    queries.write(0, torch.tensor([1, 1, 1]), queries.columns(0, 3), history[:3])
+    assert torch.equal(queries.of(1, 3)[0], history[:3].transpose(0, 1))
