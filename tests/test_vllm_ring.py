@@ -63,26 +63,29 @@ def one_call_each(cache: RingCache, query: torch.Tensor, token: int, block: int)
     return F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)[0, :, 0]
 
 
-def decode(cache: RingCache, blocks: list[int], generator: torch.Generator) -> tuple[DecodeRows, torch.Tensor]:
-    """One decode step of the requests in ``blocks`` (in that order in the forward); its plan, and checks its
+def decode(cache: RingCache, blocks: list[int], generator: torch.Generator) -> DecodeRows:
+    """One decode step of the requests in ``blocks`` (in that order in the forward); its plan, after checking its
     output: each token's equals one SDPA call of its own, exactly, and the softmax written out."""
     rows = [Row(block, cache.requests[block].table.seen, i, i + 1) for i, block in enumerate(blocks)]
     query, output = forward(cache, rows, generator)
-    plan = DecodeRows.plan([(i, block, 0) for i, block in enumerate(blocks)], "cpu")  # only for the block layout
     for token, block in enumerate(blocks):
         assert torch.equal(output[token], one_call_each(cache, query, token, block))
         torch.testing.assert_close(output[token], written_out(cache, query[token], block).float())
-    return plan, output
+    return cache._decode
+
+
+def shape(plan: DecodeRows) -> tuple[list[tuple], list[int]]:
+    """Each group's ``(blocks, used, ordered, first, span)``, and the blocks of the rows left alone."""
+    groups = [([block for _, block in g.rows], g.used, g.ordered, g.first, g.span) for g in plan.groups]
+    return groups, [block for _, block, _ in plan.alone]
 
 
 def test_requests_in_consecutive_blocks_attend_in_one_call_with_each_ones_numbers():
     generator = torch.Generator().manual_seed(0)
     cache = rings()
     prefill(cache, {1: 3, 2: 3, 3: 3}, generator)
-    for _ in range(6):  # fills the rings (used reaches C), then evicts every step
-        decode(cache, [1, 2, 3], generator)
-    plan = cache._decode
-    assert (plan.alone, plan.ordered, plan.first, plan.span, plan.used) == (False, True, 1, 3, BUDGET + 1)
+    plans = [shape(decode(cache, [1, 2, 3], generator)) for _ in range(6)]  # rings fill (4 .. 7 used), then evict
+    assert plans == [([([1, 2, 3], used, True, 1, 3)], []) for used in (4, 5, 6, 7, 7, 7)]
 
 
 def test_blocks_out_of_order_or_with_a_gap_are_scattered_into_one_call():
@@ -90,22 +93,21 @@ def test_blocks_out_of_order_or_with_a_gap_are_scattered_into_one_call():
     cache = rings()
     prefill(cache, {4: 2, 1: 2, 3: 2}, generator)  # block 2 holds no request
     for _ in range(7):
-        decode(cache, [4, 1, 3], generator)
-    plan = cache._decode
-    assert (plan.alone, plan.ordered, plan.first, plan.span) == (False, False, 1, 4)
-    assert plan.offsets.tolist() == [3, 0, 2]
+        plan = decode(cache, [4, 1, 3], generator)
+    assert shape(plan) == ([([4, 1, 3], 7, False, 1, 4)], [])
+    assert plan.groups[0].offsets.tolist() == [3, 0, 2]
 
 
-def test_requests_of_different_lengths_or_far_apart_attend_one_call_each():
+def test_rows_attend_in_one_call_per_length_and_alone_when_far_apart_or_single():
     generator = torch.Generator().manual_seed(2)
     cache = rings()
-    prefill(cache, {1: 2, 2: 4}, generator)
-    decode(cache, [1, 2], generator)
-    assert cache._decode.alone  # 3 and 5 slots used
+    prefill(cache, {1: 2, 2: 4, 3: 2, 4: 4, 5: 3}, generator)
+    plan = decode(cache, [1, 2, 3, 4, 5], generator)
+    assert shape(plan) == ([([1, 3], 3, False, 1, 3), ([2, 4], 5, False, 2, 3)], [5])
     for _ in range(4):
-        decode(cache, [1, 2], generator)  # both rings full: 7 slots each
-    assert not cache._decode.alone
-    assert DecodeRows.plan([(0, 1, 7), (1, 7, 7)], "cpu").alone  # 7 blocks for 2 rows
+        plan = decode(cache, [1, 2, 3, 4, 5], generator)  # every ring full: 7 slots each
+    assert shape(plan) == ([([1, 2, 3, 4, 5], 7, True, 1, 5)], [])
+    assert shape(DecodeRows.plan([(0, 1, 7), (1, 7, 7)], "cpu")) == ([], [1, 7])  # 7 blocks for 2 rows
 
 
 def test_recent_queries_are_the_newest_oldest_first_across_laps():

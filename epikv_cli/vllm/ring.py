@@ -202,47 +202,58 @@ class RingView:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows that attend in one call: they use ``used`` slots each, in blocks ``first .. first + span - 1``
+    (a view of the pages, no gather; a block of the range that is not one of them is computed and dropped).
+
+    Attributes:
+        rows: ``(token in the forward, block)`` per row.
+        tokens, offsets: ``[n]`` each row's token, and its block's place in the range.
+        ordered: the rows are the range's blocks in order, at consecutive tokens (no scatter).
+    """
+
+    rows: list[tuple[int, int]]
+    first: int
+    span: int
+    used: int
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    ordered: bool
+
+
+@dataclass
 class DecodeRows:
     """A forward's decode rows (one token each, over its request's ``used`` live slots) and how they attend.
 
-    When every row uses as many slots (a batch whose rings are full, or started together) and their blocks lie close
-    together (vLLM hands out free blocks from the bottom), they attend in one call over the slots ``0 .. used - 1``
-    of blocks ``first .. first + span - 1``, a view of the pages (no gather; a block of the range that does not
-    decode is computed and dropped). Otherwise, each row attends alone (:attr:`alone`). Both give the same numbers:
-    a masked call would not (its kernel sums in another order, and a greedy near-tie can turn).
-
-    Attributes:
-        rows: ``(token in the forward, block, used slots)`` per row.
-        tokens, offsets: ``[n]`` each row's token, and its block's place in the range (batched only).
-        ordered: the rows are the range's blocks in order, at consecutive tokens (batched only: no scatter).
+    Rows that use as many slots (rings that are full, or that started together) and lie in nearby blocks (vLLM hands
+    out free blocks from the bottom) attend in one call per such group (:class:`DecodeGroup`); any other row
+    attends alone (:attr:`alone`: ``(token, block, used)``). Both give the same numbers: one masked call over rows
+    of different lengths would not (its kernel sums in another order, and a greedy near-tie can turn).
     """
 
-    rows: list[tuple[int, int, int]]
-    first: int = 0
-    span: int = 0
-    used: int = 0
-    tokens: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-    ordered: bool = False
-
-    @property
-    def alone(self) -> bool:
-        return self.tokens is None
+    groups: list[DecodeGroup]
+    alone: list[tuple[int, int, int]]
 
     @classmethod
     def plan(cls, rows: list[tuple[int, int, int]], device) -> DecodeRows:
-        """The plan for ``rows``: batched when they use as many slots each and their blocks span at most twice as
-        many blocks as there are rows."""
-        blocks = [block for _, block, _ in rows]
-        first, span = min(blocks), max(blocks) - min(blocks) + 1
-        used = {used for _, _, used in rows}
-        if len(rows) < 2 or span > 2 * len(rows) or len(used) > 1:
-            return cls(rows)
-        offsets = [block - first for block in blocks]
-        tokens = [token for token, _, _ in rows]
-        ordered = offsets == list(range(span)) and tokens == list(range(tokens[0], tokens[0] + span))
-        index = torch.tensor([tokens, offsets], device=device)
-        return cls(rows, first, span, used.pop(), index[0], index[1], ordered)
+        """The plan for ``rows`` ``(token, block, used)``: a group for each number of slots used by two or more
+        rows whose blocks span at most twice as many blocks as there are rows; the other rows alone."""
+        by_used: dict[int, list[tuple[int, int]]] = {}
+        for token, block, used in rows:
+            by_used.setdefault(used, []).append((token, block))
+        groups, alone = [], []
+        for used, members in by_used.items():
+            blocks = [block for _, block in members]
+            first, span = min(blocks), max(blocks) - min(blocks) + 1
+            if len(members) < 2 or span > 2 * len(members):
+                alone += [(token, block, used) for token, block in members]
+                continue
+            offsets = [block - first for block in blocks]
+            tokens = [token for token, _ in members]
+            ordered = offsets == list(range(span)) and tokens == list(range(tokens[0], tokens[0] + span))
+            index = torch.tensor([tokens, offsets], device=device)
+            groups.append(DecodeGroup(members, first, span, used, index[0], index[1], ordered))
+        return cls(groups, alone)
 
 
 class RingCache:
@@ -439,27 +450,26 @@ class RingCache:
     def _attend_decoding(
         self, decode: DecodeRows, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, output: torch.Tensor
     ) -> None:
-        """The decode rows' attention, each over its own live slots (their order does not matter): one call over
-        the range of blocks they lie in, or one call per row (:class:`DecodeRows`)."""
-        if decode.alone:
-            for token, block, used in decode.rows:
-                q = query[token : token + 1, :, None]  # [1, heads, 1, dim]
-                k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
-                output[token] = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)[0, :, 0]
-            return
-        first, span = decode.first, decode.span
-        if decode.ordered:
-            start = decode.rows[0][0]
-            q = query[start : start + span, :, None]  # [span, heads, 1, dim]
-        else:
-            q = query.new_zeros(span, query.shape[1], 1, query.shape[2])
-            q[decode.offsets] = query[decode.tokens, :, None]
-        k, v = keys[first : first + span, :, : decode.used], values[first : first + span, :, : decode.used]
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)
-        if decode.ordered:
-            output[start : start + span] = out[:, :, 0]
-        else:
-            output[decode.tokens] = out[decode.offsets, :, 0]
+        """The decode rows' attention, each over its own live slots (their order does not matter): one call per
+        group of rows, one per row left alone (:class:`DecodeRows`)."""
+        for token, block, used in decode.alone:
+            q = query[token : token + 1, :, None]  # [1, heads, 1, dim]
+            k, v = keys[block : block + 1, :, :used], values[block : block + 1, :, :used]
+            output[token] = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)[0, :, 0]
+        for group in decode.groups:
+            first, span, used = group.first, group.span, group.used
+            if group.ordered:
+                start = group.rows[0][0]
+                q = query[start : start + span, :, None]  # [span, heads, 1, dim]
+            else:
+                q = query.new_zeros(span, query.shape[1], 1, query.shape[2])
+                q[group.offsets] = query[group.tokens, :, None]
+            k, v = keys[first : first + span, :, :used], values[first : first + span, :, :used]
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, enable_gqa=True)
+            if group.ordered:
+                output[start : start + span] = out[:, :, 0]
+            else:
+                output[group.tokens] = out[group.offsets, :, 0]
 
     def claim(self, prompt_ids: list[int]) -> RingRequest | None:
         """The oldest request not yet claimed whose prompt was ``prompt_ids`` (with ``report``), or None."""
