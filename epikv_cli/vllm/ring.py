@@ -92,14 +92,14 @@ class RingRequest:
     """One request's ring: its slot table (shared keep-sets) or per-head slots (granular ones), and its policy.
 
     Attributes:
-        queries: how many of its query vectors the ring has taken in (:class:`RecentQueries` keeps the newest).
+        queries_taken: how many of its query vectors the ring has taken in (:class:`RecentQueries` keeps the newest).
     """
 
     block: int
     policy: Policy
     table: SlotTable
     heads: HeadSlots | None = None
-    queries: int = 0
+    queries_taken: int = 0
     evicted_total: int = 0
     peak_stored: int = 0
     trace: list[list[int]] | None = None
@@ -359,8 +359,8 @@ class RingCache:
                 )
             first = request.table.seen
             if self.queries is not None:
-                kept.append((row, self.queries.columns(request.queries, row.count)))
-                request.queries += row.count
+                kept.append((row, self.queries.columns(request.queries_taken, row.count)))
+                request.queries_taken += row.count
             plan = request.table.append(row.count)
             request.write = request.heads.append(plan.start, row.count, first) if request.heads is not None else None
             per_head |= request.write is not None
@@ -503,7 +503,9 @@ class RingCache:
             hidden = {layer: states[row.first : row.last][None] for layer, states in self.hidden.items()}
             record = None
             if self.queries is not None:
-                record = AttentionRecord(queries=self.queries.of(row.block, request.queries), scaling=self._scalings)
+                record = AttentionRecord(
+                    queries=self.queries.of(row.block, request.queries_taken), scaling=self._scalings
+                )
             view = RingView(self, request)
             signals = Signals(appended, appended.start == 0, hidden, record, view)
             observed = observe(request.policy, signals)
