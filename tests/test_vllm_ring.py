@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from epikv_cli.config import CacheSettings
-from epikv_cli.vllm.ring import DecodeRows, RecentQueries, RingCache, Row
+from epikv_cli.vllm.ring import DecodeRows, RecentQueries, RingCache, Row, page_slots
 
 HEADS, KV_HEADS, DIM, BUDGET, BLOCKS = 4, 2, 8, 6, 8
 SCALE = DIM**-0.5
@@ -115,8 +115,7 @@ def test_recent_queries_are_the_newest_oldest_first_across_laps():
     reads what it has."""
     width, heads, dim = 16, 3, 4
     queries = RecentQueries(width)
-    like = torch.zeros(())
-    queries.allocate(0, 4, heads, dim, like)
+    queries.bind(0, torch.zeros(4, heads, width, dim))
     history = torch.randn(40, heads, dim)
     taken = 0
     for count in (20, *([1] * 20)):
@@ -127,3 +126,27 @@ def test_recent_queries_are_the_newest_oldest_first_across_laps():
         assert torch.equal(queries.of(2, taken)[0], history[max(0, taken - width) : taken].transpose(0, 1))
     queries.write(0, torch.tensor([1, 1, 1]), queries.columns(0, 3), history[:3])
     assert torch.equal(queries.of(1, 3)[0], history[:3].transpose(0, 1))
+
+
+def test_the_queries_a_policy_reads_live_in_its_page_behind_the_keys_and_values():
+    """epikv2 reads its 16 newest queries: each page holds them after the ring's keys and values, in slots vLLM
+    allocates (and counts) with the page, and writing them leaves the keys and values as they were."""
+    budget = 20  # epikv2's smallest is 19
+    settings = CacheSettings(budget=budget, policy="epikv2")
+    cache = RingCache(settings, 1, budget + 1, SCALE, heads=(HEADS, KV_HEADS))
+    assert cache.page_slots == page_slots(settings, HEADS, KV_HEADS) == budget + 1 + 16  # 4 heads x 16 / (2 x 2)
+    pages = torch.zeros(BLOCKS, KV_HEADS, cache.page_slots, 2 * DIM)
+    cache.bind(0, pages)
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(5, HEADS, DIM, generator=generator)
+    key, value = torch.randn(2, 5, KV_HEADS, DIM, generator=generator)
+    cache.begin([Row(2, 0, 0, 5)])
+    cache.attend(0, query, key, value, torch.empty_like(query))
+    cache.finish()
+    keys, values = cache.kv(0)
+    assert torch.equal(keys[2, :, :5], key.transpose(0, 1)) and torch.equal(values[2, :, :5], value.transpose(0, 1))
+    assert torch.equal(cache.queries.of(2, 5)[0], query.transpose(0, 1))
+    page = pages[2].flatten()
+    ring = KV_HEADS * 2 * (budget + 1) * DIM  # each KV head's keys, then its values, then the queries
+    assert torch.equal(page[ring : ring + HEADS * 16 * DIM].view(HEADS, 16, DIM)[:, :5], query.transpose(0, 1))
+    assert cache.request_bytes() == KV_HEADS * cache.page_slots * 2 * DIM * 4

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings, Calibration
-from epikv_cli.vllm.ring import RingCache, check_policy, ring_capacity
+from epikv_cli.vllm.ring import RingCache, check_policy, page_slots
 from epikv_cli.vllm.settings import SPLITTING_OPS, architecture_for, config_for
 
 
@@ -108,12 +108,16 @@ def ring_of(llm) -> RingCache:
 
 
 def request_bytes(model: str, cache: CacheSettings, max_model_len: int, dtype: str) -> int:
-    """The KV memory one request takes on this engine: every layer's ring of C = K + 1 slots (stock vLLM, for
-    ``full``: ``max_model_len`` slots in 128-token blocks), keys and values."""
+    """The KV memory one request takes on this engine: every layer's page, a ring of C = K + 1 slots and the queries
+    its policy reads (:func:`~epikv_cli.vllm.ring.page_slots`; stock vLLM, for ``full``: ``max_model_len`` slots in
+    128-token blocks), keys and values."""
     config = AutoConfig.from_pretrained(model)
     text = config.get_text_config(decoder=True)
     heads = text.num_key_value_heads or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = 4 if checkpoint_dtype(config, dtype) == "float32" else 2
-    slots = ring_capacity(cache) if cache.policy != "full" else -(-max_model_len // 128) * 128
+    if cache.policy == "full":
+        slots = -(-max_model_len // 128) * 128
+    else:
+        slots = page_slots(cache, text.num_attention_heads, heads)
     return text.num_hidden_layers * slots * heads * 2 * head_dim * element

@@ -55,7 +55,7 @@ class EpiKVAttention(nn.Module, AttentionLayerBase):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> EpiKVRingSpec:
         return EpiKVRingSpec(
-            block_size=self.ring.capacity,
+            block_size=self.ring.page_slots,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             dtype=self.dtype,
@@ -94,6 +94,7 @@ class EpiKVMixin:
             len(blocks),
             ring_capacity(settings),
             stock[0].impl.scale,
+            heads=(stock[0].num_heads, stock[0].num_kv_heads),
             calibration=calibration_from_config(vllm_config.additional_config),
             trace=bool(flags.get("trace")),
             report=bool(flags.get("report")),

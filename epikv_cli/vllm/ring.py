@@ -52,6 +52,24 @@ def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
     return settings.budget + max(1, slack)
 
 
+def query_width(settings: CacheSettings) -> int:
+    """How many of a request's newest query vectors its policy reads (per layer; 0: none)."""
+    needs = make_policy(settings).attention_needs
+    return needs.queries if needs is not None else 0
+
+
+def query_slots(width: int, heads: int, kv_heads: int) -> int:
+    """The page slots that hold ``width`` queries of ``heads`` heads (a slot holds ``2 * kv_heads`` vectors, a key
+    and a value per KV head)."""
+    return -(-heads * width // (2 * kv_heads))
+
+
+def page_slots(settings: CacheSettings, heads: int, kv_heads: int) -> int:
+    """The slots of a request's page in each layer: the ring's C, and those that hold the newest queries its policy
+    reads (:func:`query_slots`), so that vLLM's allocator counts them as the request's memory too."""
+    return ring_capacity(settings) + query_slots(query_width(settings), heads, kv_heads)
+
+
 def check_policy(settings: CacheSettings) -> None:
     """:class:`UsageError` for a policy this engine does not run, naming the engines that run it."""
     if settings.policy != "full" and settings.policy not in VLLM_POLICIES:
@@ -107,10 +125,11 @@ class RingRequest:
 
 
 class RecentQueries:
-    """Every request's newest ``width`` query vectors (after RoPE) in each layer, for policies that read them: per
-    layer ``[blocks, heads, width, head_dim]``, request block ``b``'s in row ``b``, its ``n``-th query in column
-    ``n % width``. One write per layer and forward takes in every row's queries (a copy: in a compiled forward the
-    query buffer is reused); a policy joins them, oldest first, only when it reads them (a refresh)."""
+    """Every request's newest ``width`` query vectors (after RoPE) in each layer, for policies that read them: in
+    each layer's pages, behind the ring's keys and values, ``[blocks, heads, width, head_dim]`` (request block ``b``'s
+    in row ``b``, its ``n``-th query in column ``n % width``). One write per layer and forward takes in every row's
+    queries (a copy: in a compiled forward the query buffer is reused); a policy joins them, oldest first, only
+    when it reads them (a refresh)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
@@ -122,18 +141,14 @@ class RecentQueries:
         kept = min(count, self.width)
         return torch.arange(taken + count - kept, taken + count) % self.width
 
+    def bind(self, layer: int, buffer: torch.Tensor) -> None:
+        """Layer ``layer``'s queries live in ``buffer`` ``[blocks, heads, width, head_dim]``."""
+        self.buffers[layer] = buffer
+
     def write(self, layer: int, blocks: torch.Tensor, columns: torch.Tensor, queries: torch.Tensor) -> None:
         """Keep ``queries`` ``[m, heads, head_dim]`` in layer ``layer``, the ``i``-th in row ``blocks[i]``, column
         ``columns[i]``."""
-        buffer = self.buffers.get(layer)
-        if buffer is None:
-            raise RuntimeError(f"layer {layer}: no query buffer (RecentQueries.allocate first)")
-        buffer[blocks, :, columns] = queries
-
-    def allocate(self, layer: int, blocks: int, heads: int, dim: int, like: torch.Tensor) -> None:
-        """Layer ``layer``'s buffer for ``blocks`` request blocks, in ``like``'s dtype and device."""
-        if layer not in self.buffers:
-            self.buffers[layer] = torch.zeros(blocks, heads, self.width, dim, dtype=like.dtype, device=like.device)
+        self.buffers[layer][blocks, :, columns] = queries
 
     def of(self, block: int, taken: int) -> Mapping[int, torch.Tensor]:
         """Request block ``block``'s queries, ``taken`` in all so far: layer -> ``[heads, w, head_dim]``, oldest
@@ -264,6 +279,8 @@ class RingCache:
         num_layers: decoder blocks (every one full attention, so every one evicts).
         capacity: C, each ring's slots.
         scaling: the softmax scale of ``q . k``.
+        heads: ``(query heads, KV heads)`` of a layer on this rank (where the queries a policy reads are kept:
+            :func:`page_slots`).
         calibration: the model's saved calibration (EpiKV's bands), if any.
         trace: keep every request, in the order they were admitted (:attr:`admitted`), with the logical positions
             each of its steps evicted (``trace``; for tests that compare engines step by step).
@@ -280,6 +297,7 @@ class RingCache:
         num_layers: int,
         capacity: int,
         scaling: float,
+        heads: tuple[int, int] = (1, 1),
         calibration=None,
         trace: bool = False,
         report: bool = False,
@@ -300,8 +318,11 @@ class RingCache:
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
-        width = probe.attention_needs.queries if probe.attention_needs is not None else 0
+        width = query_width(settings)
         self.queries = RecentQueries(width) if width else None  # the queries policies read, if they read any
+        self.heads = heads
+        self.page_slots = capacity + query_slots(width, *heads)
+        self._page_bytes = [0] * num_layers
         if probe.attention_needs is not None and (probe.attention_needs.received or probe.attention_needs.last_row):
             raise UsageError(f"policy {settings.policy!r} reads attention weights, which --engine vllm does not record")
         self.rows: list[Row] = []
@@ -313,24 +334,28 @@ class RingCache:
 
     # -- the pages vLLM allocated ----------------------------------------------------------------------
     def bind(self, layer: int, pages: torch.Tensor) -> None:
-        """Layer ``layer``'s pages as vLLM allocated them, ``[blocks, kv_heads, C, 2 * head_dim]``. Only this ring
-        reads and writes them, so each (block, KV head) is laid out as its C keys, then its C values: every head's
-        keys are one contiguous ``[C, head_dim]`` matrix for the attention and the policies' reads (keys and values
-        interleaved slot by slot made both strided, and a policy's ``q . k`` products took twice as long)."""
+        """Layer ``layer``'s pages as vLLM allocated them, ``[blocks, kv_heads, slots, 2 * head_dim]``
+        (:attr:`page_slots`). Only this ring reads and writes them, so each page is laid out as each KV head's C keys,
+        then its C values (every head's keys are one contiguous ``[C, head_dim]`` matrix for the attention and the
+        policies' reads: keys and values interleaved slot by slot made both strided, and a policy's ``q . k``
+        products took twice as long), then the queries its policy reads (:class:`RecentQueries`)."""
         blocks, heads, slots, width = pages.shape
-        if slots != self.capacity:
-            raise RuntimeError(f"layer {layer}: pages of {slots} slots, the ring needs {self.capacity}")
+        if slots != self.page_slots:
+            raise RuntimeError(f"layer {layer}: pages of {slots} slots, the ring needs {self.page_slots}")
         page = pages[0]
         dense = page.permute(sorted(range(3), key=page.stride, reverse=True)).is_contiguous()  # in memory order
         if not dense or pages.stride(0) < page.numel():
             raise RuntimeError(f"layer {layer}: a request's page must be one dense block, got strides {pages.stride()}")
-        half = width // 2
-        self.buffers[layer] = pages = pages.as_strided(
-            (blocks, heads, 2, slots, half),
-            (pages.stride(0), 2 * slots * half, slots * half, half, 1),
-            pages.storage_offset(),
+        half, ring, stride, offset = width // 2, self.capacity, pages.stride(0), pages.storage_offset()
+        self.buffers[layer] = kv = pages.as_strided(
+            (blocks, heads, 2, ring, half), (stride, 2 * ring * half, ring * half, half, 1), offset
         )
-        self._kv[layer] = pages[:, :, 0], pages[:, :, 1]
+        self._kv[layer] = kv[:, :, 0], kv[:, :, 1]
+        if self.queries is not None:
+            shape = (blocks, self.heads[0], self.queries.width, half)
+            queries = (stride, self.queries.width * half, half, 1)
+            self.queries.bind(layer, pages.as_strided(shape, queries, offset + heads * 2 * ring * half))
+        self._page_bytes[layer] = page.numel() * pages.element_size()
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values, ``[blocks, kv_heads, C, head_dim]`` views of its pages (in the model's
@@ -444,7 +469,6 @@ class RingCache:
             self._attend_decoding(self._decode, query, keys, values, output)
         if self._kept is not None:
             tokens, rows, columns = self._kept
-            self.queries.allocate(layer, keys.shape[0], query.shape[1], query.shape[2], query)
             self.queries.write(layer, rows, columns, query[tokens])
 
     def _attend_decoding(
@@ -482,8 +506,9 @@ class RingCache:
         return request
 
     def request_bytes(self) -> int:
-        """The KV memory one request holds, in every layer's page (C slots, keys and values): bounded by K."""
-        return sum(pages[0].numel() * pages.element_size() for pages in self.buffers if pages is not None)
+        """The KV memory one request holds, in every layer's page (C slots of keys and values, and the queries its
+        policy reads): bounded by K."""
+        return sum(self._page_bytes)
 
     def tap(self, layer: int, output: torch.Tensor) -> None:
         """Decoder block ``layer``'s output ``[tokens, hidden]`` this forward (taps the policy asked for)."""
