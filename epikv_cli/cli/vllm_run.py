@@ -74,6 +74,12 @@ def tokenizer_for(settings: ModelSettings, log=None):
     return source.location, AutoTokenizer.from_pretrained(source.location)
 
 
+def saved_calibration(path: str):
+    """What ``epikv calibrate`` saved for the model at ``path`` (a directory or Hub id), read as the transformers
+    engine reads it, or None."""
+    return load_calibration(model_key(resolve_source(path)))
+
+
 def open_engine(
     path: str, tokenizer, settings: ModelSettings, cache: CacheSettings, longest: int, batch: int
 ) -> Opened:
@@ -104,7 +110,7 @@ def open_engine(
         report=True,
         progress=False,
         eager=not settings.compile,
-        calibration=load_calibration(model_key(resolve_source(path))),
+        calibration=saved_calibration(path),
     )
     eos = set()
     for value in (config.eos_token_id, tokenizer.eos_token_id):  # an id, a list of ids, or None
@@ -192,7 +198,7 @@ def serve_command(
         max_model_len=max_model_len,
         max_num_seqs=batch,
         eager=not model_settings.compile,
-        calibration=load_calibration(model_key(resolve_source(path))),
+        calibration=saved_calibration(path),
     )
     arguments = engine_arguments(cache, engine)
     model = arguments.pop("model")

@@ -52,10 +52,9 @@ def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
     return settings.budget + max(1, slack)
 
 
-def query_width(settings: CacheSettings) -> int:
-    """How many of a request's newest query vectors its policy reads (per layer; 0: none)."""
-    needs = make_policy(settings).attention_needs
-    return needs.queries if needs is not None else 0
+def query_width(policy: Policy) -> int:
+    """How many of a request's newest query vectors ``policy`` reads (per layer; 0: none)."""
+    return policy.attention_needs.queries if policy.attention_needs is not None else 0
 
 
 def query_slots(width: int, heads: int, kv_heads: int) -> int:
@@ -67,7 +66,7 @@ def query_slots(width: int, heads: int, kv_heads: int) -> int:
 def page_slots(settings: CacheSettings, heads: int, kv_heads: int) -> int:
     """The slots of a request's page in each layer: the ring's C, and those that hold the newest queries its policy
     reads (:func:`query_slots`), so that vLLM's allocator counts them as the request's memory too."""
-    return ring_capacity(settings) + query_slots(query_width(settings), heads, kv_heads)
+    return ring_capacity(settings) + query_slots(query_width(make_policy(settings)), heads, kv_heads)
 
 
 def check_policy(settings: CacheSettings) -> None:
@@ -318,7 +317,7 @@ class RingCache:
         probe = make_policy(settings)  # what every request's policy will ask of the forward
         probe.setup(num_layers, calibration)
         self.tap_layers = probe.tap_layers()
-        width = query_width(settings)
+        width = query_width(probe)
         self.queries = RecentQueries(width) if width else None  # the queries policies read, if they read any
         self.heads = heads
         self.page_slots = capacity + query_slots(width, *heads)
