@@ -90,6 +90,38 @@ def test_a_single_victim_per_head_leaves_its_slot_to_the_next_token():
     assert slots.close_vacant(3) is None
 
 
+def test_the_map_grows_to_its_limit_and_past_it_only_for_one_append_that_needs_more():
+    """Doubling stops at the limit (a ring's K + 1 slots), for the positions and the policy's companions alike;
+    without a limit it doubles."""
+    slots = HeadSlots(2, 3, "cpu", limit=300)
+    scores = slots.companion()
+    slots.append(0, 256, 0)
+    assert slots.capacity == 256
+    slots.append(256, 1, 256)  # 257 slots: 300, not 512
+    assert slots.positions.shape == slots.companions[scores].shape == (2, 3, 300)
+    assert slots.live(257)[0, 0, 250:].tolist() == list(range(250, 257))
+    slots.append(257, 48, 257)  # one append needing 305 slots gets them
+    assert slots.capacity == 305 and slots.live(305)[1, 2, -1] == 304
+    small = HeadSlots(1, 1, "cpu", limit=20)
+    assert small.capacity == 20
+    unbounded = HeadSlots(1, 1, "cpu")
+    unbounded.append(0, 257, 0)
+    assert unbounded.capacity == 512
+
+
+def test_a_granular_cache_holds_its_map_in_as_many_slots_as_its_keys():
+    """At K = 300 the key buffers hold K + 1 slots; the per-head map and epikv2's scores beside it hold as many."""
+    ids = torch.randint(0, 256, (1, 290), generator=torch.Generator().manual_seed(1))
+    with CacheStream(MODEL, CacheSettings(budget=300, policy="epikv2"), max_tokens=330) as stream:
+        out = stream.feed(ids)
+        for _ in range(30):
+            out = stream.feed(out.argmax().view(1, 1))
+        cache = stream.cache
+        assert cache.evicted_total == 20
+        assert cache.head_slots.capacity == cache.budget_layers[0].keys.shape[-2] == 301
+        assert [tuple(c.shape[-1:]) for c in cache.head_slots.companions] == [(301,)]
+
+
 def test_steady_state_steps_move_no_entry():
     """Once the cache is full, a step writes the new token's key into each head's victim slot and touches no
     other slot of the buffers."""

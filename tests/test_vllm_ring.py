@@ -150,3 +150,18 @@ def test_the_queries_a_policy_reads_live_in_its_page_behind_the_keys_and_values(
     ring = KV_HEADS * 2 * (budget + 1) * DIM  # each KV head's keys, then its values, then the queries
     assert torch.equal(page[ring : ring + HEADS * 16 * DIM].view(HEADS, 16, DIM)[:, :5], query.transpose(0, 1))
     assert cache.request_bytes() == KV_HEADS * cache.page_slots * 2 * DIM * 4
+
+
+def test_a_granular_policys_head_map_holds_the_rings_slots_and_no_more():
+    """epikv2 keeps a position map and scores per (layer, KV head) beside each ring, on the pages' device: at
+    K = 300 they hold the ring's C = 301 slots (doubling from 256 would hold 512, outside vLLM's memory plan)."""
+    budget = 300
+    cache = RingCache(CacheSettings(budget=budget, policy="epikv2"), 1, budget + 1, SCALE, heads=(HEADS, KV_HEADS))
+    cache.bind(0, torch.zeros(2, KV_HEADS, cache.page_slots, 2 * DIM))
+    generator = torch.Generator().manual_seed(5)
+    forward(cache, [Row(1, 0, 0, 290)], generator)
+    for step in range(30):
+        forward(cache, [Row(1, 290 + step, 0, 1)], generator)
+    request = cache.requests[1]
+    assert request.evicted_total == 20 and request.table.used == budget + 1
+    assert request.heads.positions.shape == request.heads.companions[0].shape == (1, KV_HEADS, budget + 1)

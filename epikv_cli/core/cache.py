@@ -393,7 +393,12 @@ class BudgetCache(Cache):
             self._plan = self.table.append(count)
             if self.granular:
                 if self.head_slots is None:
-                    self.head_slots = HeadSlots(len(self.budget_layer_indices), key_states.shape[1], key_states.device)
+                    self.head_slots = HeadSlots(
+                        len(self.budget_layer_indices),
+                        key_states.shape[1],
+                        key_states.device,
+                        limit=self.layers[layer_idx].limit,
+                    )
                 writes = self.head_slots.append(self._plan.start, count, self.table.seen - count)
                 self._head_index = None if writes is None else self._scatter_index(writes, key_states, value_states)
         if isinstance(self.layers[layer_idx], BudgetLayer):

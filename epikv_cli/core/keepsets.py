@@ -98,6 +98,9 @@ class HeadSlots:
 
     Args:
         layers: evicting layers; heads: KV heads per layer; device: where the map lives.
+        limit: the most slots the cache holds (its K + 1 ring, say): the map grows to it and no further, unless one
+            append needs more (None: it doubles as it fills). Doubling past it would hold up to twice the slots
+            for every (layer, head) on the device: 50 MB per sequence for a 64-layer, 8-KV-head model at K = 8192.
 
     Attributes:
         positions: ``[layers, heads, capacity]`` int64, valid for slots below the cache's stored count.
@@ -105,9 +108,9 @@ class HeadSlots:
         companions: a policy's slot-indexed ``[layers, heads, capacity]`` state, moved with the entries.
     """
 
-    def __init__(self, layers: int, heads: int, device: torch.device | str) -> None:
-        self.layers, self.heads, self.device = layers, heads, torch.device(device)
-        self.positions = mutable_zeros((layers, heads, HEADROOM), torch.long, self.device)
+    def __init__(self, layers: int, heads: int, device: torch.device | str, limit: int | None = None) -> None:
+        self.layers, self.heads, self.device, self.limit = layers, heads, torch.device(device), limit
+        self.positions = mutable_zeros((layers, heads, self._capped(HEADROOM)), torch.long, self.device)
         self.holders = mutable_zeros((HEADROOM,), torch.int32, self.device)
         self.companions: list[torch.Tensor] = []
         #: ``[layers, heads]`` the slot each (layer, head) left vacant at the last single eviction, which its
@@ -119,9 +122,12 @@ class HeadSlots:
     def capacity(self) -> int:
         return self.positions.shape[-1]
 
+    def _capped(self, slots: int) -> int:
+        return slots if self.limit is None else min(slots, self.limit)
+
     def _grow(self, slots: int, tokens: int) -> None:
         if slots > self.capacity:
-            size = max(slots, _GROWTH * self.capacity)
+            size = max(slots, self._capped(_GROWTH * self.capacity))
             self.positions = _padded(self.positions, size)
             self.companions = [_padded(tensor, size) for tensor in self.companions]
         if tokens > self.holders.numel():

@@ -405,7 +405,7 @@ class RingCache:
         heads = None
         if policy.granular:
             first = self.buffers[0]
-            heads = HeadSlots(self.num_layers, first.shape[1], first.device)
+            heads = HeadSlots(self.num_layers, first.shape[1], first.device, limit=self.capacity)
         request = RingRequest(row.block, policy, SlotTable(self.capacity, track=not policy.granular), heads)
         if self.admitted is not None:
             request.trace = []
