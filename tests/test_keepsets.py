@@ -619,7 +619,7 @@ def test_a_refresh_adds_the_attention_of_the_newest_queries(queries):
 
 
 def test_refresh_writes_its_logits_into_reused_buffers_without_changing_results():
-    """Refreshes of several sizes in a row reuse the same two buffers (no new multi-MiB tensor, which page-faults
+    """Refreshes of several sizes in a row reuse the same three buffers (no new multi-MiB tensor, which page-faults
     on every touch on a CPU), and each result equals the one computed from freshly made buffers."""
     generator = torch.Generator().manual_seed(11)
 
@@ -643,7 +643,8 @@ def test_refresh_writes_its_logits_into_reused_buffers_without_changing_results(
         reused.append(received_by_layers(*case))
         pointers.add(epikv2.REFRESH_SCRATCH.take("logits", (1,), torch.float32, "cpu").data_ptr())
     assert len(pointers) == 1  # the first (largest) call's buffer served every later one
-    # two buffers of the largest chunk: 3 layers x 2 KV heads x 2 query heads x 8 queries x 300 keys, float32
-    assert epikv2.REFRESH_SCRATCH.nbytes() == 2 * 3 * 2 * 2 * 8 * 300 * 4
+    # the largest chunk's logits and weights (3 layers x 2 KV heads x 2 query heads x 8 queries x 300 keys) and its
+    # keys gathered into one block (3 layers x 2 KV heads x 300 keys x 16 dimensions), float32
+    assert epikv2.REFRESH_SCRATCH.nbytes() == 2 * 3 * 2 * 2 * 8 * 300 * 4 + 3 * 2 * 300 * 16 * 4
     for got, expected in zip(reused, fresh):
         assert torch.equal(got, expected)
