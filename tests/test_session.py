@@ -44,8 +44,8 @@ def test_hooks_are_removed_on_exit():
 
 
 def test_the_refresh_buffers_live_while_the_session_does():
-    """epikv2 keeps its refresh's logits and weights between refreshes, and the session frees them on exit
-    (a later run, e.g. another policy's in `epikv profile`, must not carry them in its memory figures)."""
+    """epikv2 keeps its refresh's logits, weights and gathered keys between refreshes, and the session frees them on
+    exit (a later run, e.g. another policy's in `epikv profile`, must not carry them in its memory figures)."""
     from epikv_cli.policies.epikv2 import REFRESH_SCRATCH
 
     REFRESH_SCRATCH.clear()
@@ -55,7 +55,9 @@ def test_the_refresh_buffers_live_while_the_session_does():
     config = MODEL.config
     # the largest refresh: every layer's query heads x 16 queries over the most keys stored, K + 1 = 41
     largest = config.num_hidden_layers * config.num_attention_heads * 16 * 41
-    assert held == largest * 4 * 2  # float32 logits and weights
+    head_dim = config.hidden_size // config.num_attention_heads
+    keys = config.num_hidden_layers * config.num_key_value_heads * 41 * head_dim  # every layer's keys, one block
+    assert held == (largest * 2 + keys) * 4  # float32 logits and weights, and the keys
     assert REFRESH_SCRATCH.nbytes() == 0
 
 

@@ -100,7 +100,8 @@ class HeadSlots:
         layers: evicting layers; heads: KV heads per layer; device: where the map lives.
         limit: the most slots the cache holds (its K + 1 ring, say): the map grows to it and no further, unless one
             append needs more (None: it doubles as it fills). Doubling past it would hold up to twice the slots
-            for every (layer, head) on the device: 50 MB per sequence for a 64-layer, 8-KV-head model at K = 8192.
+            for every (layer, head) on the device: 48 MiB more per sequence for a 64-layer, 8-KV-head model at
+            K = 8192 (int64 positions, one float32 companion).
 
     Attributes:
         positions: ``[layers, heads, capacity]`` int64, valid for slots below the cache's stored count.

@@ -120,7 +120,7 @@ def received_by_head(
 REFRESH_CHUNK_BYTES = {"cpu": 2 << 20}
 #: The chunk on device types not named in :data:`REFRESH_CHUNK_BYTES`.
 DEFAULT_REFRESH_CHUNK_BYTES = 64 << 20
-#: A refresh's logits and weights on a CPU, reused from refresh to refresh (two chunks), freed when a session closes.
+#: A refresh's logits, weights and keys on a CPU, reused from refresh to refresh, freed when a session closes.
 REFRESH_SCRATCH = Scratch()
 
 
@@ -245,13 +245,14 @@ def _received_chunk(
         stacked = stacked * torch.tensor(scales, dtype=dtype, device=device)[:, None, None, None]
     stacked = stacked.view(layers, kv_heads, group * w, dim)
     # the products over all the KV heads' query rows, in the cache's dtype as eager attention computes it (no float32
-    # copy of every key), the softmax in float32; logits and weights go to reused buffers on a CPU, where fresh ones
-    # this large page-fault at every refresh
+    # copy of every key), the softmax in float32; on a CPU logits, weights and keys go to reused buffers, where fresh
+    # ones this large page-fault at every refresh
     logits = REFRESH_SCRATCH.take("logits", (layers, kv_heads, group * w, n), dtype, device)
     if device.type == "cpu":
         # a cache's keys are views whose heads lie apart (the slots past the stored ones, a ring's values between),
         # on which a CPU bmm takes its slow path: copied into one block, the run's products are one matmul, with the
-        # same numbers (benchmarks/refresh_parts.py: 30 layers at K = 512 in bfloat16, 2.1 ms against 6.0)
+        # same numbers (benchmarks/refresh_parts.py, one refresh of 30 layers at K = 512 in bfloat16: 16.4 ms against
+        # 20.0 with a bmm per layer, whose products alone took 6.0 ms against 2.1 for the copy and one matmul)
         gathered = REFRESH_SCRATCH.take("keys", (layers, kv_heads, n, dim), dtype, device)
         torch.stack(keys, out=gathered)
         torch.matmul(stacked, gathered.transpose(-1, -2), out=logits)
