@@ -242,3 +242,30 @@ def test_a_row_joining_the_batch_leaves_the_refresh_buffers_in_place():
         assert REFRESH_SCRATCH.nbytes() == held
         assert REFRESH_SCRATCH.take("weights", (1,), torch.float32, "cpu").data_ptr() == buffer
     assert REFRESH_SCRATCH.nbytes() == 0
+
+
+@pytest.mark.parametrize("path", ["prefill", "adopt"])
+def test_a_batchs_buffers_grow_to_k_plus_one_slots_and_no_further(path):
+    """Rows grow their buffers by doubling, but the full layers' (and a granular row's per-head map) stop at the
+    most slots a row uses, K + 1: at K = 300, 20 + 320 tokens reach 301 slots, where doubling from the prompt's
+    would give 336 (and the map 512). Both ways rows join: one padded prefill (``attach``), or adopted one by one."""
+    import epikv_cli
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    settings = CacheSettings(budget=300, policy="epikv2")
+    if path == "prefill":
+        with epikv_cli.attach(model, budget=300, policy="epikv2", batch_size=2) as cache:
+            # generate feeds every token but its last: 20 + 320 in all, as below
+            model.generate(ids, cache=cache, max_new_tokens=321, do_sample=False, eos_token_id=None, pad_token_id=0)
+            rows = cache
+    else:
+        with BatchDecoder(model, [settings, settings]) as decoder:
+            logits = [decoder.add(ids[i : i + 1], settings, 20 + 320) for i in range(2)]
+            tokens = torch.stack(logits).argmax(-1)
+            for _ in range(320):
+                tokens = decoder.step(tokens).argmax(-1)
+            rows = decoder.cache
+    assert [row.evicted_total for row in rows.rows] == [40, 40]
+    assert {layer.keys.shape[2] for layer in rows.layers} == {301}
+    assert [row.heads.capacity for row in rows.rows] == [301, 301]

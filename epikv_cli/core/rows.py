@@ -47,6 +47,7 @@ class Row:
 
     Attributes:
         budget: K (None: unbounded); compressed: RoPE positions are the stored count (the paper-time harness).
+        limit: the most slots its full layers use, K + max(1, slack) (None: unbounded).
     """
 
     budget: int | None
@@ -57,6 +58,7 @@ class Row:
     peak_stored: int = 0
     last_evicted: list[int] = field(default_factory=list)
     heads: HeadSlots | None = None  # a granular policy's per (layer, KV head) positions
+    limit: int | None = None
 
     @property
     def full(self) -> SlotTable:
@@ -148,6 +150,15 @@ class RowsCache(Cache):
     def batch(self) -> int:
         return len(self.rows)
 
+    def _grown(self, group: str, needed: int, capacity: int) -> int:
+        """The capacity a group's buffers grow to for ``needed`` slots: double, but a full layer never past the
+        most slots a row can use (K + 1 at K = 8192 would otherwise double to 16384), unless ``needed`` is more."""
+        limits = [row.limit for row in self.rows]
+        doubled = 2 * capacity
+        if group == FULL and limits and None not in limits:
+            doubled = min(doubled, max(limits))
+        return max(needed, doubled)
+
     def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
         """Room for one more row holding ``length`` entries (capacity doubles when short)."""
         heads, dim = template.shape[1], template.shape[-1]
@@ -156,7 +167,7 @@ class RowsCache(Cache):
             layer.keys, layer.values = template.new_zeros(shape), template.new_zeros(shape)
         capacity = layer.keys.shape[2]
         if length > capacity:
-            grown = max(length, 2 * capacity)
+            grown = self._grown(layer.group, length, capacity)
             layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, grown - capacity))
             layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, grown - capacity))
         pad = torch.zeros((1, heads, layer.keys.shape[2], dim), dtype=layer.keys.dtype, device=layer.keys.device)
@@ -190,6 +201,7 @@ class RowsCache(Cache):
             source.evicted_total,
             source.peak_stored,
             heads=source.head_slots,
+            limit=next((layer.limit for layer in source.layers if isinstance(layer, BudgetLayer)), None),
         )
         self.rows.append(row)
         return len(self.rows) - 1
@@ -204,12 +216,12 @@ class RowsCache(Cache):
         self.step_lengths.clear()
 
     def finish_prefill(
-        self, pads: list[int], rows: list[tuple[int | None, bool, bool]], queries_needed: list[int]
+        self, pads: list[int], rows: list[tuple[int | None, bool, bool, int]], queries_needed: list[int]
     ) -> None:
         """Turn the prefilled batch into rows: row ``b``'s real tokens (after its ``pads[b]`` padding) move to
         the front of its slots (a sliding layer keeps the last ``window - 1``), each with its own table.
-        ``rows[b]``: its budget (None: unbounded), whether its positions are compressed, and whether its keep-set
-        is per (layer, KV head)."""
+        ``rows[b]``: its budget (None: unbounded), whether its positions are compressed, whether its keep-set
+        is per (layer, KV head), and its policy's slack (entries it may hold beyond K between evictions)."""
         self.prefilling = False
         length = self.prefill_length
         keep = {FULL: [length - pad for pad in pads]}
@@ -221,14 +233,15 @@ class RowsCache(Cache):
                     layer.keys[row, :, :count] = layer.keys[row, :, length - count : length].clone()
                     layer.values[row, :, :count] = layer.values[row, :, length - count : length].clone()
         full = self.layers[self.full_layer_indices[0]].keys if self.full_layer_indices else None
-        for row, (budget, compressed, granular) in enumerate(rows):
+        for row, (budget, compressed, granular, slack) in enumerate(rows):
             prompt = length - pads[row]
             tables = {group: tail_table(prompt, counts[row], prompt) for group, counts in keep.items()}
+            limit = None if budget is None else budget + max(1, slack)
             heads = None
             if granular:
-                heads = HeadSlots(len(self.full_layer_indices), full.shape[1], full.device)
+                heads = HeadSlots(len(self.full_layer_indices), full.shape[1], full.device, limit=limit)
                 heads.append(0, prompt, 0)
-            self.rows.append(Row(budget, compressed, tables, queries_needed[row], heads=heads))
+            self.rows.append(Row(budget, compressed, tables, queries_needed[row], heads=heads, limit=limit))
 
     def row(self, index: int) -> RowView:
         """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ...)."""
@@ -265,7 +278,7 @@ class RowsCache(Cache):
             length = int(used_after.max())
             for layer in self.layers:
                 if layer.group == group and length > layer.keys.shape[2]:
-                    grown = max(length, 2 * layer.keys.shape[2])
+                    grown = self._grown(group, length, layer.keys.shape[2])
                     extra = grown - layer.keys.shape[2]
                     layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
                     layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))

@@ -210,7 +210,12 @@ class BatchDecoder:
             policies.append(policy)
         queries = [p.attention_needs.queries if p.attention_needs else 0 for p in policies]
         rows = [
-            (setting.budget if policy.evicts else None, setting.positions == "compressed", policy.granular)
+            (
+                setting.budget if policy.evicts else None,
+                setting.positions == "compressed",
+                policy.granular,
+                policy.slack,
+            )
             for setting, policy in zip(settings, policies)
         ]
         self.cache.finish_prefill(self._pads, rows, queries)
