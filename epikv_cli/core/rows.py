@@ -47,7 +47,7 @@ class Row:
 
     Attributes:
         budget: K (None: unbounded); compressed: RoPE positions are the stored count (the paper-time harness).
-        limit: the most slots its full layers use, K + max(1, slack) (None: unbounded).
+        limit: the most slots its full layers use, K + max(1, slack) or the sequence's length if less (None: unbounded).
     """
 
     budget: int | None
@@ -160,7 +160,7 @@ class RowsCache(Cache):
         return max(needed, doubled)
 
     def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
-        """Room for one more row holding ``length`` entries (capacity doubles when short)."""
+        """Room for one more row holding ``length`` entries (capacity doubles when short: :meth:`_grown`)."""
         heads, dim = template.shape[1], template.shape[-1]
         if layer.keys is None:
             shape = (0, heads, max(length, 16), dim)
