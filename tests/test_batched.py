@@ -244,14 +244,16 @@ def test_a_row_joining_the_batch_leaves_the_refresh_buffers_in_place():
     assert REFRESH_SCRATCH.nbytes() == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("path", ["prefill", "adopt"])
-def test_a_batchs_buffers_grow_to_k_plus_one_slots_and_no_further(path):
-    """Rows grow their buffers by doubling, but the full layers' (and a granular row's per-head map) stop at the
-    most slots a row uses, K + 1: at K = 300, 20 + 320 tokens reach 301 slots, where doubling from the prompt's
-    would give 336 (and the map 512). Both ways rows join: one padded prefill (``attach``), or adopted one by one."""
+def test_a_batchs_buffers_grow_to_what_a_row_uses_and_no_further(path, arch):
+    """Rows grow their buffers by doubling, but stop at the most slots a row uses: K + 1 in a full layer (with a
+    granular row's per-head map), the window in a sliding one. At K = 300 and a window of 150, 20 + 320 tokens reach
+    301 and 150 slots, where doubling from the prompt's would give 336 (a 512-slot map) and 168. Both ways rows
+    join: one padded prefill (``attach``), or adopted one by one."""
     import epikv_cli
 
-    model = tiny_model("llama", seed=0)
+    model = tiny_model(arch, seed=0, **({"sliding_window": 150} if arch == "gemma3" else {}))
     ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     settings = CacheSettings(budget=300, policy="epikv2")
     if path == "prefill":
@@ -267,5 +269,6 @@ def test_a_batchs_buffers_grow_to_k_plus_one_slots_and_no_further(path):
                 tokens = decoder.step(tokens).argmax(-1)
             rows = decoder.cache
     assert [row.evicted_total for row in rows.rows] == [40, 40]
-    assert {layer.keys.shape[2] for layer in rows.layers} == {301}
+    sizes = {(layer.group, layer.keys.shape[2]) for layer in rows.layers}
+    assert sizes == ({("full", 301), ("sliding", 150)} if arch == "gemma3" else {("full", 301)})
     assert [row.heads.capacity for row in rows.rows] == [301, 301]

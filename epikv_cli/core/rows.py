@@ -151,12 +151,15 @@ class RowsCache(Cache):
         return len(self.rows)
 
     def _grown(self, group: str, needed: int, capacity: int) -> int:
-        """The capacity a group's buffers grow to for ``needed`` slots: double, but a full layer never past the
-        most slots a row can use (K + 1 at K = 8192 would otherwise double to 16384), unless ``needed`` is more."""
+        """The capacity a group's buffers grow to for ``needed`` slots: double, but never past the most slots a row
+        can use (a full layer: K + 1, which at K = 8192 would otherwise double to 16384; a sliding layer: its window,
+        the window - 1 entries it keeps and the new one), unless ``needed`` is more."""
         limits = [row.limit for row in self.rows]
         doubled = 2 * capacity
         if group == FULL and limits and None not in limits:
             doubled = min(doubled, max(limits))
+        elif group == SLIDING and self.window:
+            doubled = min(doubled, self.window)
         return max(needed, doubled)
 
     def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
