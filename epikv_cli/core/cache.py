@@ -25,7 +25,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from epikv_cli.core.keepsets import HeadSlots, HeadVictims, mutable_zeros
+from epikv_cli.core.keepsets import HeadSlots, HeadVictims, grown_capacity, mutable_zeros
 from epikv_cli.errors import UsageError
 
 _GROWTH = 2
@@ -223,7 +223,7 @@ class BudgetLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
-        capacity = max(needed, self._capped(self.capacity * _GROWTH))
+        capacity = grown_capacity(needed, self.capacity, self.limit)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))

@@ -31,6 +31,13 @@ HEADROOM = 256
 _LAST = torch.iinfo(torch.long).max
 
 
+def grown_capacity(needed: int, capacity: int, limit: int | None) -> int:
+    """What a buffer of ``capacity`` slots grows to for ``needed``: doubled, never past ``limit`` (the most slots its
+    cache uses; None: no bound) unless ``needed`` is more."""
+    doubled = _GROWTH * capacity
+    return max(needed, doubled if limit is None else min(doubled, limit))
+
+
 def order_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """int64 keys that sort like ``(score, position)``: one ``argmin`` or ``topk`` finds the lowest score
     and, among equal scores, the older token. ``scores`` are float32 (any sign), ``positions`` < 2**32."""
@@ -128,7 +135,7 @@ class HeadSlots:
 
     def _grow(self, slots: int, tokens: int) -> None:
         if slots > self.capacity:
-            size = max(slots, self._capped(_GROWTH * self.capacity))
+            size = grown_capacity(slots, self.capacity, self.limit)
             self.positions = _padded(self.positions, size)
             self.companions = [_padded(tensor, size) for tensor in self.companions]
         if tokens > self.holders.numel():

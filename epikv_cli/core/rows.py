@@ -34,7 +34,7 @@ from epikv_cli.core.cache import (
     layer_groups,
     move_entries,
 )
-from epikv_cli.core.keepsets import HeadSlots, HeadVictims
+from epikv_cli.core.keepsets import HeadSlots, HeadVictims, grown_capacity
 from epikv_cli.errors import UsageError
 
 #: Slots allocated beyond a batched prefill's length (then doubling as rows grow).
@@ -155,12 +155,12 @@ class RowsCache(Cache):
         can use (a full layer: K + 1, which at K = 8192 would otherwise double to 16384; a sliding layer: its window,
         the window - 1 entries it keeps and the new one), unless ``needed`` is more."""
         limits = [row.limit for row in self.rows]
-        doubled = 2 * capacity
+        limit = None
         if group == FULL and limits and None not in limits:
-            doubled = min(doubled, max(limits))
+            limit = max(limits)
         elif group == SLIDING and self.window:
-            doubled = min(doubled, self.window)
-        return max(needed, doubled)
+            limit = self.window
+        return grown_capacity(needed, capacity, limit)
 
     def _ensure(self, layer: RowsLayer, template: torch.Tensor, length: int) -> None:
         """Room for one more row holding ``length`` entries (capacity doubles when short: :meth:`_grown`)."""
