@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import asdict
 
 import pytest
@@ -15,7 +16,7 @@ from epikv_cli.config import ModelSettings
 from epikv_cli.experiments import maxcontext as maxcontext_module
 from epikv_cli.experiments import profile as profile_module
 from epikv_cli.experiments.maxcontext import ProbeResult, ProbeWorker, parse_memory, search
-from epikv_cli.experiments.profile import PolicyRun, ProfileSettings, flatness
+from epikv_cli.experiments.profile import PolicyRun, ProfileSettings, cpu_name, flatness
 from epikv_cli.models.shapes import SHAPES, cut_layers, shape_config
 from epikv_cli.policies.registry import POLICIES
 
@@ -181,6 +182,40 @@ def test_every_policy_runs_under_profile(tiny_model_dir):
     assert {name: row["peak_stored"] for name, row in rows.items()} == {
         name: 31 if name in ("full", "rkv") else 25 for name in policies
     }
+
+
+def test_the_results_name_the_machine_and_the_threads_they_ran_on(tiny_model_dir):
+    """As llama-bench does: the CPU, its instruction set as torch's kernels see it, and torch's threads as ``-t``
+    set them (3: neither torch's default here, one per core, nor the test workers' one), in the JSON and in the
+    table's title."""
+    run = ["--model", str(tiny_model_dir), "--policies", "streaming", "-b", "24", "--prompt-tokens", "12"]
+    run += ["--new-tokens", "8", "--repeats", "1", "-q", "-t", "3"]
+    threads = torch.get_num_threads()
+    try:
+        as_json, as_table = invoke(*run, "--json"), invoke(*run)
+    finally:
+        torch.set_num_threads(threads)
+    assert threads != 3 and as_json.exit_code == 0 and as_table.exit_code == 0, as_json.stderr + as_table.stderr
+    machine = json.loads(as_json.stdout)["machine"]
+    assert machine == {
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": 3,
+        "gpu": None,
+        "torch": torch.__version__,
+    }
+    title = " ".join(as_table.stdout.split())
+    assert f"{machine['cpu']} ({machine['cpu_capability']}), 3 threads" in title
+
+
+def test_the_cpu_is_named_by_the_model_name_line_of_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 9B14\n"
+    )
+    assert cpu_name(info) == "AMD EPYC 9B14"
+    assert cpu_name(tmp_path / "absent") == (platform.processor() or platform.machine())
 
 
 def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir, tokenizer, tmp_path, monkeypatch):

@@ -10,7 +10,14 @@ from rich.console import Console
 
 from epikv_cli.cli.ui import profile_table, progress_bar, wide_console
 from epikv_cli.errors import EXIT_INTERRUPTED, writing
-from epikv_cli.experiments.profile import ProfileSettings, measure_vllm, prompt_ids, reports_of, run_profile
+from epikv_cli.experiments.profile import (
+    ProfileSettings,
+    machine_info,
+    measure_vllm,
+    prompt_ids,
+    reports_of,
+    run_profile,
+)
 from epikv_cli.models.loading import load
 
 
@@ -89,6 +96,8 @@ def profile_command(
         model_name += " on vLLM"
     if model_settings.layers:
         model_name += f" ({model_settings.layers} layers)"
+    device = str(next(loaded.model.parameters()).device) if loaded is not None else engines.device
+    machine = machine_info(device)
     if json_output:
         report = {
             "model": model_name,
@@ -102,8 +111,9 @@ def profile_command(
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
             if loaded is not None
             else engines.dtype,
-            "device": str(next(loaded.model.parameters()).device) if loaded is not None else engines.device,
+            "device": device,
             "engine": model_settings.engine,
+            "machine": machine,
             "results": [r.to_dict() for r in reports],
         }
         with writing("stdout"):
@@ -114,7 +124,9 @@ def profile_command(
             + (f" x {settings.batch_size} rows decoded together (tok/s: all rows)" if settings.batch_size > 1 else "")
             + ", "
             f"median of {settings.repeats} runs; × is the ratio to {reports[0].policy}; peak memory is "
-            f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak"
+            f"{reports[0].peak_memory_kind} (prefill/decode); stored is the in-step peak; "
+            + (machine["gpu"] or f"{machine['cpu']} ({machine['cpu_capability']})")
+            + f", {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
         )
         out = wide_console()
         with writing("stdout"):

@@ -9,6 +9,7 @@ ignored) from the same prompt of real text. A policy may name the attention kern
 from __future__ import annotations
 
 import gc
+import platform
 import statistics
 import time
 from contextlib import contextmanager
@@ -132,6 +133,31 @@ class ProfileSettings:
         for run in self.runs:
             if POLICIES[run.policy].evicts:
                 make_policy(self.cache_for(run)).check_budget(self.prompt_tokens, self.budget)
+
+
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as Linux reports it (``platform.processor()`` or the architecture elsewhere)."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | torch.device) -> dict:
+    """What a profile ran on, as llama-bench records it beside its figures: the CPU, the instruction set torch's CPU
+    kernels use (``AVX2``, ``AVX512``...: on an AVX2 CPU bfloat16 can run slower than float32), torch's threads in
+    this process, the GPU on CUDA, and torch's version."""
+    device = torch.device(device)
+    return {
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+    }
 
 
 def prompt_ids(tokenizer, tokens: int, prompt_file: Path | None = None) -> torch.Tensor:
