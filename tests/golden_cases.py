@@ -8,7 +8,7 @@ the same outputs exactly. Only :func:`run_case` knows the engine's API.
 
 Runs on one torch thread (the recording did too), so that reductions happen in one order. The tiny models run in
 float64: their float32 recording held on Intel CPUs (AVX-512) but not on AMD ones (AVX2), where one knorm decision in
-a batch (two keys' norms a rounding apart) went the other way. Their cases were recorded again in float64 by the code
+a batch (a near-tie in float32) went the other way. Their cases were recorded again in float64 by the code
 of b68b429 (5def55e's engine): ``tests/golden/record_tiny_float64.py`` says how. 99 of the 100 equal the float32
 recording; the demo model's cases (float32) hold on both CPUs as recorded.
 """
