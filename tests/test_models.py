@@ -7,6 +7,7 @@ import torch
 
 from epikv_cli.config import ModelSettings
 from epikv_cli.errors import ModelLoadError, UsageError
+from epikv_cli.models import loading
 from epikv_cli.models.loading import choose_attn, load, resolve_source
 
 
@@ -47,6 +48,20 @@ def test_load_local_directory(tiny_model_dir):
     assert loaded.model.dtype == torch.bfloat16 and loaded.attn == "sdpa"
     assert loaded.model.config._attn_implementation == "sdpa"
     assert load(ModelSettings(model=str(tiny_model_dir), attn="eager")).model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    "dtype, native, said",
+    [("bfloat16", False, True), ("bfloat16", True, False), ("float32", False, False), ("auto", False, False)],
+)
+def test_bfloat16_on_a_cpu_without_its_instructions_is_said_once(tiny_model_dir, monkeypatch, dtype, native, said):
+    """A status line (``-q`` silences status) when the weights are bfloat16 on a CPU that lacks bfloat16 hardware, as
+    on an AVX2 machine (the tiny model's checkpoint is float32, so ``auto`` is float32)."""
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: native)
+    lines: list[str] = []
+    load(ModelSettings(model=str(tiny_model_dir), dtype=dtype), lines.append)
+    slow = loading.SLOW_BFLOAT16.format(capability=torch.backends.cpu.get_cpu_capability())
+    assert lines == ([slow] if said else [])
 
 
 @pytest.mark.parametrize(
