@@ -175,8 +175,8 @@ def _random_model(source: ModelSource, settings: ModelSettings) -> LoadedModel:
 
 
 def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware (oneDNN's test: AVX-512 or AMX on x86). Without it bfloat16 is
-    the slower dtype: on an AVX2 machine a 49152 x 576 product of 8 rows took 57 ms against 33 in float32
+    """Whether oneDNN runs bfloat16 natively on this CPU (its own test: AVX-512 or newer on x86). Without it bfloat16
+    is the slower dtype: on an AVX2 machine a 49152 x 576 product of 8 rows took 57 ms against 33 in float32
     (docs/results.md). True where torch cannot tell."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
