@@ -96,7 +96,9 @@ def profile_command(
         model_name += " on vLLM"
     if model_settings.layers:
         model_name += f" ({model_settings.layers} layers)"
-    device = str(next(loaded.model.parameters()).device) if loaded is not None else engines.device
+    first = next(loaded.model.parameters()) if loaded is not None else None
+    dtype = str(first.dtype).removeprefix("torch.") if first is not None else engines.dtype
+    device = str(first.device) if first is not None else engines.device
     machine = machine_info(device)
     if json_output:
         report = {
@@ -108,9 +110,7 @@ def profile_command(
             "interrupted": interrupted,
             "batch_size": settings.batch_size,
             "attn": loaded.attn if loaded is not None else "epikv ring (vllm)",
-            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-            if loaded is not None
-            else engines.dtype,
+            "dtype": dtype,
             "device": device,
             "engine": model_settings.engine,
             "machine": machine,

@@ -25,10 +25,9 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from epikv_cli.core.keepsets import HeadSlots, HeadVictims, grown_capacity, mutable_zeros
+from epikv_cli.core.keepsets import HeadSlots, HeadVictims, capped, grown_capacity, mutable_zeros
 from epikv_cli.errors import UsageError
 
-_GROWTH = 2
 #: Slots allocated beyond the first forward's tokens (then doubling, up to the layer's limit).
 HEADROOM = 256
 
@@ -123,7 +122,7 @@ class SlotTable:
         closed = self._close_free()
         needed = self.stored + count
         if needed > self.positions.numel():
-            grown = mutable_zeros((max(needed, self.positions.numel() * _GROWTH),), torch.long, torch.device("cpu"))
+            grown = mutable_zeros((grown_capacity(needed, self.positions.numel()),), torch.long, torch.device("cpu"))
             grown[: self.stored] = self.positions[: self.stored]
             self.positions = grown
         self.positions[self.stored : needed] = torch.arange(self.seen, self.seen + count)
@@ -206,9 +205,6 @@ class BudgetLayer(CacheLayerMixin):
         self.length = 0  # live slots in this layer (equals the table's stored between forwards)
         self.seen = 0
 
-    def _capped(self, slots: int) -> int:
-        return slots if self.limit is None else min(slots, self.limit)
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
             raise UsageError(
@@ -217,7 +213,7 @@ class BudgetLayer(CacheLayerMixin):
             )
         self.device = key_states.device
         heads, k_dim, v_dim = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
-        self.capacity = self._capped(key_states.shape[-2] + HEADROOM)
+        self.capacity = capped(key_states.shape[-2] + HEADROOM, self.limit)
         self.keys = key_states.new_zeros((1, heads, self.capacity, k_dim))
         self.values = value_states.new_zeros((1, heads, self.capacity, v_dim))
         self.is_initialized = True

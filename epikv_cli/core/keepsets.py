@@ -31,11 +31,15 @@ HEADROOM = 256
 _LAST = torch.iinfo(torch.long).max
 
 
-def grown_capacity(needed: int, capacity: int, limit: int | None) -> int:
+def capped(slots: int, limit: int | None) -> int:
+    """``slots``, at most ``limit`` (None: no bound)."""
+    return slots if limit is None else min(slots, limit)
+
+
+def grown_capacity(needed: int, capacity: int, limit: int | None = None) -> int:
     """What a buffer of ``capacity`` slots grows to for ``needed``: doubled, never past ``limit`` (the most slots its
     cache uses; None: no bound) unless ``needed`` is more."""
-    doubled = _GROWTH * capacity
-    return max(needed, doubled if limit is None else min(doubled, limit))
+    return max(needed, capped(_GROWTH * capacity, limit))
 
 
 def order_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,7 +122,7 @@ class HeadSlots:
 
     def __init__(self, layers: int, heads: int, device: torch.device | str, limit: int | None = None) -> None:
         self.layers, self.heads, self.device, self.limit = layers, heads, torch.device(device), limit
-        self.positions = mutable_zeros((layers, heads, self._capped(HEADROOM)), torch.long, self.device)
+        self.positions = mutable_zeros((layers, heads, capped(HEADROOM, limit)), torch.long, self.device)
         self.holders = mutable_zeros((HEADROOM,), torch.int32, self.device)
         self.companions: list[torch.Tensor] = []
         #: ``[layers, heads]`` the slot each (layer, head) left vacant at the last single eviction, which its
@@ -130,16 +134,13 @@ class HeadSlots:
     def capacity(self) -> int:
         return self.positions.shape[-1]
 
-    def _capped(self, slots: int) -> int:
-        return slots if self.limit is None else min(slots, self.limit)
-
     def _grow(self, slots: int, tokens: int) -> None:
         if slots > self.capacity:
             size = grown_capacity(slots, self.capacity, self.limit)
             self.positions = _padded(self.positions, size)
             self.companions = [_padded(tensor, size) for tensor in self.companions]
         if tokens > self.holders.numel():
-            self.holders = _padded(self.holders, max(tokens, _GROWTH * self.holders.numel()))
+            self.holders = _padded(self.holders, grown_capacity(tokens, self.holders.numel()))
 
     def companion(self, dtype: torch.dtype = torch.float32) -> int:
         """Register a zero ``[layers, heads, capacity]`` tensor that follows every move; return its index
