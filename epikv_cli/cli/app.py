@@ -280,6 +280,25 @@ CompileOption = Annotated[
 ]
 
 
+# Options shared by the commands that read a file of prompts and print a table (profile, fidelity, eval, calibrate).
+FieldOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="NAME",
+        rich_help_panel=DATA,
+        help="The question's field in a dataset (default: prompt, problem or question).",
+    ),
+]
+PromptLimitOption = Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")]
+PromptOffsetOption = Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")]
+TableJsonOption = Annotated[
+    bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
+]
+ProgressQuietOption = Annotated[
+    bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
+]
+
+
 @contextmanager
 def _warnings_as_lines() -> Iterator[None]:
     """While a command runs, every :class:`EpikvWarning` is one ``epikv: warning:`` line on stderr (once per distinct
@@ -870,12 +889,8 @@ def profile(
             help="Memory for --max-context, e.g. 16GiB (no more than is available).",
         ),
     ] = None,
-    json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
-    ] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
-    ] = False,
+    json_output: TableJsonOption = False,
+    quiet: ProgressQuietOption = False,
 ) -> int:
     """Measure tokens/s and memory of several policies on one model, interleaved and forced to equal work."""
     _use_threads(threads)
@@ -936,16 +951,9 @@ def fidelity(
             help="Plain text, JSONL with prompt/messages, or a dataset JSONL ('-' is not accepted).",
         ),
     ],
-    field: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="NAME",
-            rich_help_panel=DATA,
-            help="The question's field in a dataset (default: prompt, problem or question).",
-        ),
-    ] = None,
-    limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
-    offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
+    field: FieldOption = None,
+    limit: PromptLimitOption = None,
+    offset: PromptOffsetOption = 0,
     model: ModelOption = None,
     shape: ShapeOption = None,
     layers: LayersOption = None,
@@ -991,12 +999,8 @@ def fidelity(
             help="Also write the reference token ids and every position's KL per policy into --output.",
         ),
     ] = False,
-    json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
-    ] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
-    ] = False,
+    json_output: TableJsonOption = False,
+    quiet: ProgressQuietOption = False,
 ) -> int:
     """Replay greedy full-cache references under each policy and budget; report KL, top-1 and perplexity."""
     _use_threads(threads)
@@ -1089,12 +1093,8 @@ def eval_(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", rich_help_panel=OUTPUT, help="Replace a non-empty --output.")
     ] = False,
-    json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
-    ] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
-    ] = False,
+    json_output: TableJsonOption = False,
+    quiet: ProgressQuietOption = False,
     batch_size: Annotated[
         int,
         typer.Option(
@@ -1149,16 +1149,9 @@ def calibrate(
             help="Plain text, JSONL with prompt/messages, or a dataset JSONL.",
         ),
     ],
-    field: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="NAME",
-            rich_help_panel=DATA,
-            help="The question's field in a dataset (default: prompt, problem or question).",
-        ),
-    ] = None,
-    limit: Annotated[Optional[int], typer.Option(rich_help_panel=DATA, help="Use at most this many prompts.")] = None,
-    offset: Annotated[int, typer.Option(rich_help_panel=DATA, help="Skip this many prompts first.")] = 0,
+    field: FieldOption = None,
+    limit: PromptLimitOption = None,
+    offset: PromptOffsetOption = 0,
     model: ModelOption = None,
     device_map: DeviceMapOption = "auto",
     dtype: DTypeOption = DType.auto,
@@ -1166,12 +1159,8 @@ def calibrate(
     new_tokens: Annotated[
         int, typer.Option("--new-tokens", "-n", rich_help_panel=CACHE, help="Greedy reference tokens per prompt.")
     ] = 384,
-    json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of the table.")
-    ] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT, help="No progress or status on stderr.")
-    ] = False,
+    json_output: TableJsonOption = False,
+    quiet: ProgressQuietOption = False,
 ) -> int:
     """Measure which layers' hidden-state change predicts important tokens; save them as this model's EpiKV bands.
 
