@@ -84,8 +84,7 @@ def main() -> None:
             }
             if policy != "full":
                 ring = ring_of(llm)
-                claimed = [ring.claim(prompt) for _ in range(batch)]
-                row["evicted_per_request"] = [r.evicted_total for r in claimed if r is not None]
+                row["evicted_per_request"] = [r.evicted_total for r in ring.holding(prompt)]
             print(json.dumps(row), flush=True)
             results.append(row)
         llm.llm_engine.engine_core.shutdown()

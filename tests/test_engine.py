@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from epikv_cli.config import CacheSettings, SamplingSettings
 from epikv_cli.errors import UsageError
-from epikv_cli.runtime.generation import Generation, build_logits_processors
+from epikv_cli.runtime.generation import Generation, build_logits_processors, end_of_sequence_ids
 
 from conftest import tiny_model
 
@@ -220,3 +222,11 @@ def test_a_non_finite_score_signal_is_counted_in_the_result(tokenizer, monkeypat
     # position 10 (fed by the third decoding forward) scores 0, neither kept for ever nor evicted first; the
     # first generated token has no earlier change to z-score against and scores 0 too; no other does
     assert [p for p, score in scores.items() if score == 0.0] == [8, 10]
+
+
+def test_end_of_sequence_ids_gather_every_source():
+    """A generation config's list (Qwen2.5 and QwQ name <|endoftext|> only there), a model config's id, a tokenizer's,
+    and sources that have none or are missing."""
+    sources = (GenerationConfig(eos_token_id=[2, 17]), SimpleNamespace(eos_token_id=2), SimpleNamespace(eos_token_id=5))
+    assert end_of_sequence_ids(*sources) == {2, 5, 17}
+    assert end_of_sequence_ids(None, SimpleNamespace(eos_token_id=None), SimpleNamespace()) == set()

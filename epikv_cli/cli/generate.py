@@ -196,7 +196,8 @@ def run_generate_vllm(
     quiet: bool = False,
 ) -> int:
     """``epikv generate --engine vllm PROMPT``: the text as it comes (or the JSON object), then the summary line;
-    the same results as :func:`run_generate`'s. Ctrl-C keeps the text printed and exits 130."""
+    the same results as :func:`run_generate`'s. Ctrl-C keeps what was generated (the text printed, or its JSON
+    object) and exits 130."""
     from epikv_cli.cli.vllm_run import OnePrompt, print_text, vllm_results  # noqa: PLC0415 (vllm: only here)
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -206,16 +207,18 @@ def run_generate_vllm(
         cache,
         sampling,
     )
-    result = None
+    result, interrupted = None, False
     try:
         with writing("stdout"):
             for _, outcome in vllm_results(
                 model_settings, prompt_settings, cache, [item], 1, log, None if json_output else print_text
             ):
                 result = outcome
-    except KeyboardInterrupt:
-        print(interruption_line(0 if result is None else result.generated_tokens, not json_output), file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stop:  # what was generated stays: the text printed, or the JSON object of it
+        result = next(iter(getattr(stop, "results", {}).values()), None)
+        if result is None:
+            return report_nothing_generated(json_output, cache.policy, cache.budget)
+        interrupted = True
     if result is None:
         raise UsageError(item.error or "the vLLM engine returned no result")
     if json_output:
@@ -226,4 +229,7 @@ def run_generate_vllm(
             print(flush=True)
         if not quiet:
             err.print(f"[dim]{summary_line(result)}[/dim]")
+    if interrupted:
+        print(interruption_line(result.generated_tokens, not json_output), file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0

@@ -19,6 +19,7 @@ from epikv_cli.experiments.profile import (
     run_profile,
 )
 from epikv_cli.models.loading import load
+from epikv_cli.policies.registry import POLICIES, make_policy
 
 
 class VllmEngines:
@@ -50,6 +51,16 @@ class VllmEngines:
         return measure
 
 
+def check_rings(settings: ProfileSettings) -> None:
+    """On ``--engine vllm``: the prompt must fit each evicting run's ring (the whole prompt is one forward into it)."""
+    from epikv_cli.vllm.ring import check_prompt  # noqa: PLC0415 (the vLLM engine's: only for it)
+
+    for run in settings.runs:
+        if POLICIES[run.policy].evicts:
+            cache = settings.cache_for(run)
+            check_prompt(make_policy(cache), cache, settings.prompt_tokens)
+
+
 def profile_command(
     model_settings,
     settings: ProfileSettings,
@@ -63,6 +74,7 @@ def profile_command(
     settings.check_budgets()  # before the model loads
     log = None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]"))
     if model_settings.engine == "vllm":
+        check_rings(settings)  # before the engines are built
         loaded, engines = None, VllmEngines(model_settings, settings, log)
         ids = prompt_ids(engines.tokenizer, settings.prompt_tokens, prompt_file)
         measurer = engines.measurer(ids)

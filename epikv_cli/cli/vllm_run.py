@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from epikv_cli.config import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
 from epikv_cli.data.prompts import build_input_ids
@@ -19,6 +19,7 @@ from epikv_cli.errors import UsageError
 from epikv_cli.models.calibration import load_calibration, model_key
 from epikv_cli.models.loading import resolve_source
 from epikv_cli.runtime.batchgen import Request
+from epikv_cli.runtime.generation import end_of_sequence_ids
 
 #: Slack on top of the requests' own KV memory (vLLM's allocator rounds per layer).
 KV_MARGIN = 64 << 20
@@ -92,12 +93,6 @@ def open_engine(
     require_vllm()
     quiet_vllm()
     config = AutoConfig.from_pretrained(path)
-    context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or longest
-    if longest > context:
-        raise UsageError(
-            f"a prompt and its new tokens reach {longest} tokens, beyond the model's {context}: lower -n or shorten "
-            "the prompt"
-        )
     kv_bytes = None
     if not torch.cuda.is_available():  # on a GPU vLLM takes its share of memory; here exactly what the batch needs
         kv_bytes = request_bytes(path, cache, longest, settings.dtype) * batch + KV_MARGIN
@@ -112,10 +107,17 @@ def open_engine(
         eager=not settings.compile,
         calibration=saved_calibration(path),
     )
-    eos = set()
-    for value in (config.eos_token_id, tokenizer.eos_token_id):  # an id, a list of ids, or None
-        eos.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+    try:  # the end-of-sequence ids vLLM stops on, and the transformers engine: the generation config's too
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # the model has none
+        generation = None
+    eos = end_of_sequence_ids(generation, config, tokenizer)
     return Opened(build_engine(cache, engine), tokenizer, eos, cache)
+
+
+def model_context(path: str) -> int | None:
+    """The longest sequence the model at ``path`` takes (its ``max_position_embeddings``), or None if unsaid."""
+    return getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "max_position_embeddings", None)
 
 
 def vllm_results(
@@ -133,6 +135,7 @@ def vllm_results(
 
     require_vllm()
     path, tokenizer = tokenizer_for(model_settings, log)
+    context = model_context(path)
     runnable, owners = [], []
     for item in items:
         if item.error is not None:
@@ -140,6 +143,13 @@ def vllm_results(
             continue
         try:
             ids = build_input_ids(tokenizer, item.prompt, prompt_settings, messages=item.messages)
+            length = ids.shape[1] + item.sampling.max_new_tokens
+            if context is not None and length > context:  # vLLM's max_model_len: this prompt's own error
+                raise UsageError(
+                    f"the prompt ({ids.shape[1]} tokens) and its {item.sampling.max_new_tokens} new tokens reach "
+                    f"{length}, beyond the model's {context} on --engine vllm: lower max_new_tokens (-n) or shorten "
+                    "the prompt"
+                )
         except UsageError as error:
             item.error = str(error)
             yield item, None

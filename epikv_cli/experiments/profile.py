@@ -400,7 +400,7 @@ def measure_vllm(llm, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, 
             elapsed.append(now)
     decode_memory, kind = peak_memory(device)
     ring = ring_of(llm) if cache.policy != "full" else None
-    rings = [ring.claim(prompt) for _ in names] if ring is not None else []
+    rings = ring.holding(prompt) if ring is not None else []
     if ring is not None:
         kv_bytes = ring.request_bytes()
     else:  # stock vLLM: the 128-token blocks of the whole sequence

@@ -147,8 +147,14 @@ def build_logits_processors(sampling: SamplingSettings) -> LogitsProcessorList:
 
 def eos_token_ids(model, tokenizer) -> set[int]:
     """End-of-sequence ids from the generation config and the tokenizer."""
+    return end_of_sequence_ids(getattr(model, "generation_config", None), model.config, tokenizer)
+
+
+def end_of_sequence_ids(*sources) -> set[int]:
+    """Every ``eos_token_id`` of ``sources`` (a generation config, a model config, a tokenizer, or None): an id, a
+    list of ids, or None each."""
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    for source in sources:
         value = getattr(source, "eos_token_id", None)
         if value is None:
             continue

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings, Calibration
 from epikv_cli.vllm.ring import RingCache, check_policy, page_slots
-from epikv_cli.vllm.settings import SPLITTING_OPS, architecture_for, config_for
+from epikv_cli.vllm.settings import SPLITTING_OPS, TOKENIZER_MODE, architecture_for, config_for
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class VllmSettings:
         tensor_parallel: tensor-parallel ranks.
         seed: vLLM's seed (sampling).
         trace: keep each request's evictions step by step (:attr:`RingCache.admitted`, tests).
-        report: keep each request's ring until its result claims it (:meth:`RingCache.claim`).
+        report: let each result find its request's ring (:meth:`RingCache.request_for`).
         progress: vLLM's progress bar while it loads the weights.
         eager: run the model eagerly (starts in seconds) instead of compiled (vLLM's default: a minute or more
             to compile at the first start, faster steps; on GPUs, piecewise CUDA graphs).
@@ -84,6 +84,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
     arguments.update(
         hf_overrides={"architectures": [architecture_for(config.architectures)]},
         additional_config=extra,
+        tokenizer_mode=TOKENIZER_MODE,  # its renderer refuses a prompt longer than the ring (before it is scheduled)
         enable_chunked_prefill=False,
         max_num_batched_tokens=engine.max_model_len,
     )

@@ -2,11 +2,12 @@
 
 The same results as the transformers engine's (``--json``, the JSONL lines of ``--prompts``), so that scripts read
 either. vLLM schedules the requests (continuous batching); each request's ring reports its evictions and its
-policy's report (:meth:`~epikv_cli.vllm.ring.RingCache.claim`).
+policy's report (:meth:`~epikv_cli.vllm.ring.RingCache.request_for`).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,13 +28,19 @@ from epikv_cli.vllm.ring import check_prompt
 
 
 def sampling_params(sampling: SamplingSettings, eos_ids: set[int]) -> SamplingParams:
-    """vLLM's sampling for epikv's ``sampling`` (greedy below the greedy temperature; stop texts; EOS ids)."""
+    """vLLM's sampling for epikv's ``sampling`` (greedy below the greedy temperature; stop texts, kept in the text
+    as the transformers engine keeps them; EOS ids). Sampling without ``--seed`` draws a fresh seed, as the
+    transformers engine does (vLLM's own default would be the engine's seed: the same text at every run)."""
+    seed = sampling.seed
+    if seed is None and not sampling.greedy:
+        seed = secrets.randbits(63)
     return SamplingParams(
         temperature=0.0 if sampling.greedy else sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k else -1,
-        seed=sampling.seed,
+        seed=seed,
         stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
         max_tokens=sampling.max_new_tokens,
         ignore_eos=sampling.ignore_eos,
         stop_token_ids=sorted(eos_ids) if not sampling.ignore_eos else None,
@@ -46,6 +53,16 @@ class _Running:
     started: float
     first_token: float | None = None
     texts: list[str] = field(default_factory=list)
+    latest: Any = None  # its latest RequestOutput
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :class:`VllmGeneration`: ``results`` holds what each unfinished request had generated, by key
+    (``stop_reason`` ``interrupted``)."""
+
+    def __init__(self, results: dict) -> None:
+        super().__init__()
+        self.results = results
 
 
 class VllmGeneration:
@@ -106,12 +123,17 @@ class VllmGeneration:
             )
         try:
             while engine.has_unfinished_requests():
+                step_started = time.perf_counter()
                 for output in engine.step():
                     state = running.get(output.request_id)
                     if state is None:
                         continue
+                    state.latest = output
                     completion = output.outputs[0]
                     if completion.token_ids and state.first_token is None:
+                        # the prompt's forward ran in this step (no chunked prefill): its prefill time, not the time
+                        # it waited for a free slot
+                        state.started = max(state.started, step_started)
                         state.first_token = time.perf_counter()
                     if self.on_text is not None:
                         shown = sum(map(len, state.texts))
@@ -121,19 +143,31 @@ class VllmGeneration:
                     if output.finished:
                         del running[output.request_id]
                         yield state.request.key, self._result(state, output)
+        except KeyboardInterrupt:
+            partial = {
+                state.request.key: self._result(state, state.latest, interrupted=True)
+                for state in running.values()
+                if state.latest is not None
+            }
+            raise GenerationInterrupted(partial) from None
         finally:
             if running:  # interrupted: the unfinished requests leave the engine
                 engine.abort_request(list(running))
 
-    def _result(self, state: _Running, output) -> GenerationResult:
+    def _result(self, state: _Running, output, interrupted: bool = False) -> GenerationResult:
+        """``output``'s result; ``interrupted``: what it had when Ctrl-C came."""
         completion = output.outputs[0]
         now = time.perf_counter()
         first = state.first_token or now
         generated = len(completion.token_ids)
         decode_seconds = max(now - first, 0.0)
-        ring = self.ring.claim(list(output.prompt_token_ids)) if self.ring is not None else None
+        ring = None
+        if self.ring is not None:
+            ring = self.ring.request_for(list(output.prompt_token_ids), list(completion.token_ids), interrupted)
         memory, kind = peak_memory(torch.device("cpu"))
-        if completion.finish_reason == "length":
+        if interrupted:
+            reason = "interrupted"
+        elif completion.finish_reason == "length":
             reason = "length"
         elif completion.stop_reason is None or completion.stop_reason in self.eos_ids:
             reason = "eos"

@@ -1,4 +1,5 @@
-"""vLLM's entry point (``vllm.general_plugins``): register epikv's model classes, by name, in every process.
+"""vLLM's entry point (``vllm.general_plugins``): register epikv's model classes, by name, and the tokenizer mode
+whose renderer refuses a prompt the ring cannot take (:mod:`epikv_cli.vllm.renderer`), in every process.
 
 vLLM runs this in each of its processes, possibly several times; registering the same lazy names again is
 harmless, and nothing here imports the models themselves (vLLM inspects a lazily registered class in a
@@ -13,7 +14,10 @@ from epikv_cli.vllm.settings import ARCHITECTURES
 
 
 def register() -> None:
-    """Register each class of :mod:`epikv_cli.vllm.models` under its name, lazily."""
+    """Register each class of :mod:`epikv_cli.vllm.models` under its name, lazily, and epikv's tokenizer mode."""
+    from epikv_cli.vllm import renderer  # noqa: PLC0415 (vLLM's renderers: once vLLM loads its plugins)
+
     for name in ARCHITECTURES:
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"epikv_cli.vllm.models:{name}")
+    renderer.register()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +41,19 @@ VLLM_POLICIES = ("streaming", "epikv", "epikv2")
 def prompt_key(ids: list[int]) -> str:
     """A request's prompt token ids as a short key (its SHA-256)."""
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+#: The multiplier of a request's token fingerprint (:func:`token_fingerprint`).
+FINGERPRINT_BASE = 1_000_003
+
+
+def token_fingerprint(tokens: list[int]) -> int:
+    """``tokens`` folded as the ring folds each request's decode inputs on its device: ``f = f * B + token`` in
+    wrapping int64 arithmetic, from 0."""
+    value = 0
+    for token in tokens:
+        value = (value * FINGERPRINT_BASE + token) & 0xFFFF_FFFF_FFFF_FFFF
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def ring_capacity(settings: CacheSettings, slack: int = 0) -> int:
@@ -121,6 +133,7 @@ class RingRequest:
     peak_stored: int = 0
     trace: list[list[int]] | None = None
     write: torch.Tensor | None = None  # [layers, heads] this step's per-head slots (a granular vacancy), or None
+    prompt: str | None = None  # its prompt's key (:func:`prompt_key`), with ``report``
 
 
 class RecentQueries:
@@ -283,8 +296,9 @@ class RingCache:
         calibration: the model's saved calibration (EpiKV's bands), if any.
         trace: keep every request, in the order they were admitted (:attr:`admitted`), with the logical positions
             each of its steps evicted (``trace``; for tests that compare engines step by step).
-        report: keep each request until :meth:`claim` takes it by its prompt (the CLI reads each result's
-            evictions and policy report so; a server, which never claims, leaves it off).
+        report: note each request's prompt and fold its decode inputs into a fingerprint, so that :meth:`request_for`
+            finds a finished request by its tokens (the CLI reads each result's evictions and policy report so; a
+            server, which never asks, leaves it off).
         reduce: under tensor parallelism, the mean over ranks of a tensor (each rank holds some KV heads): what a
             shared keep-set computed from its rank's heads (``epikv2 keep=global``'s attention) becomes the same
             on every rank. Per-head keep-sets, and policies that read positions or whole hidden states, need none.
@@ -311,7 +325,9 @@ class RingCache:
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers  # views of each layer's pages
         self.requests: dict[int, RingRequest] = {}
         self.admitted: list[RingRequest] | None = [] if trace else None
-        self.reports: dict[str, deque[RingRequest]] | None = {} if report else None
+        self.report = report
+        #: with ``report``, ``[blocks]`` int64: the fingerprint of the decode inputs of the request in each block
+        self._prints: torch.Tensor | None = None
         self.reduce = reduce
         self._scalings = dict.fromkeys(range(num_layers), scaling)  # every layer's softmax scale, as policies read it
         probe = make_policy(settings)  # what every request's policy will ask of the forward
@@ -350,6 +366,8 @@ class RingCache:
             (blocks, heads, 2, ring, half), (stride, 2 * ring * half, ring * half, half, 1), offset
         )
         self._kv[layer] = kv[:, :, 0], kv[:, :, 1]
+        if self.report and self._prints is None:
+            self._prints = torch.zeros(blocks, dtype=torch.int64, device=pages.device)
         if self.queries is not None:
             shape = (blocks, self.heads[0], self.queries.width, half)
             queries = (stride, self.queries.width * half, half, 1)
@@ -368,15 +386,17 @@ class RingCache:
         ``report``)."""
         self.rows = [row for row in rows if row.block != 0]  # block 0: vLLM's padding rows, which write nothing
         self.hidden = {}
-        starts, per_head, kept = [], False, []
+        starts, per_head, kept, inputs = [], False, [], []
         for row in self.rows:
             request = self.requests.get(row.block)
             if row.computed == 0:
                 request = self._admit(row)
-                if self.reports is not None and input_ids is not None:
-                    key = prompt_key(input_ids[row.first : row.last].tolist())
-                    self.reports.setdefault(key, deque()).append(request)
-            elif request is None or row.count != 1:
+                if self.report and input_ids is not None:
+                    request.prompt = prompt_key(input_ids[row.first : row.last].tolist())
+                    self._prints[row.block] = 0
+            elif request is not None and row.count == 1:
+                inputs.append((row.block, row.first))
+            else:
                 raise UsageError(
                     "--engine vllm runs each prompt in one forward and then one token per step; "
                     "keep chunked prefill, prefix caching and speculative decoding off"
@@ -390,6 +410,10 @@ class RingCache:
             per_head |= request.write is not None
             starts.append(plan.start)
         self._plan(starts, per_head)
+        if self._prints is not None and inputs and input_ids is not None:  # each decode row's input, folded in
+            index = torch.tensor(inputs, device=self._prints.device).T  # [2, rows]: blocks, tokens in the forward
+            tokens = input_ids.to(self._prints.device)[index[1]].long()
+            self._prints[index[0]] = self._prints[index[0]] * FINGERPRINT_BASE + tokens
         self._kept = None
         if kept:  # each row's newest queries: which tokens of the forward, into which request row and column
             tokens = torch.cat([torch.arange(row.last - columns.numel(), row.last) for row, columns in kept])
@@ -494,15 +518,37 @@ class RingCache:
             else:
                 output[group.tokens] = out[group.offsets, :, 0]
 
-    def claim(self, prompt_ids: list[int]) -> RingRequest | None:
-        """The oldest request not yet claimed whose prompt was ``prompt_ids`` (with ``report``), or None."""
-        queue = (self.reports or {}).get(prompt_key(prompt_ids))
-        if not queue:
+    def request_for(
+        self, prompt_ids: list[int], output_ids: list[int], interrupted: bool = False
+    ) -> RingRequest | None:
+        """With ``report``, right after the step in which it finished (before another request takes its block): the
+        request that read ``prompt_ids`` and then ``output_ids`` but the last (which no forward reads), or None.
+        ``interrupted``: a request that Ctrl-C stopped, maybe inside a forward that had begun to read its next token
+        (None if another of its prompt has read as many tokens).
+
+        Requests of one prompt are told apart by how many tokens they read and, where that is the same, by the
+        fingerprint of their decode inputs (one read from the device, only then). Requests that read the same tokens
+        ran the same steps and hold the same evictions and reports, so whichever is found is the answer, even if
+        the others go on afterwards.
+        """
+        key = prompt_key(prompt_ids)
+        seen = len(prompt_ids) + len(output_ids) - 1
+        found = [
+            request
+            for request in self.requests.values()
+            if request.prompt == key and request.table.seen - seen in ((0, 1) if interrupted else (0,))
+        ]
+        if len(found) > 1 and interrupted:
             return None
-        request = queue.popleft()
-        if not queue:
-            del self.reports[prompt_key(prompt_ids)]
-        return request
+        if len(found) > 1:
+            want = token_fingerprint(output_ids[:-1])
+            found = [request for request in found if int(self._prints[request.block]) == want]
+        return found[0] if found else None
+
+    def holding(self, prompt_ids: list[int]) -> list[RingRequest]:
+        """With ``report``, the requests whose blocks hold ``prompt_ids``' requests now (each block's latest)."""
+        key = prompt_key(prompt_ids)
+        return [request for request in self.requests.values() if request.prompt == key]
 
     def request_bytes(self) -> int:
         """The KV memory one request holds, in every layer's page (C slots of keys and values, and the queries its

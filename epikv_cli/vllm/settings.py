@@ -13,6 +13,8 @@ from epikv_cli.errors import UsageError
 
 #: The key of ``additional_config`` that holds epikv's settings.
 CONFIG_KEY = "epikv"
+#: The tokenizer mode (and renderer mode) of epikv's engines: :mod:`epikv_cli.vllm.renderer`.
+TOKENIZER_MODE = "epikv"
 #: The ops of :mod:`epikv_cli.vllm.ops`: a compiled forward is split at them (piecewise CUDA graphs run them eagerly).
 SPLITTING_OPS = ("epikv::ring_attention", "epikv::ring_tap")
 

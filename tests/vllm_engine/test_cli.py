@@ -29,6 +29,8 @@ TRANSFORMERS_EPIKV = [
 EVICTING = ["--budget", "64", "--policy", "epikv", "-n", "48", "--ignore-eos"]
 #: ... in fp32, so that both engines' greedy choices are comparable.
 RUN = [*EVICTING, "--dtype", "float32"]
+#: A file's prompts decoded together (vLLM's requests finish in any order).
+TOGETHER = ["--batch-size", "5"]
 
 
 def epikv(command: list[str], *args: str) -> subprocess.CompletedProcess:
@@ -82,33 +84,45 @@ def test_one_prompt_gives_the_transformers_engines_text_and_json_keys(tmp_path: 
 
 
 def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
-    """JSONL lines with the transformers engine's keys, in line order; a line with its own budget fails alone (one
-    engine runs one budget); --resume skips the finished lines and refuses a file the other engine wrote."""
+    """JSONL lines with the transformers engine's keys and results, in line order; a line with its own budget fails
+    alone (one engine runs one budget); --resume skips the finished lines and refuses a file the other engine wrote.
+    Three lines share a prompt, and the shortest finishes first: each line reports its own request's evictions. A
+    stop string stays in the text, as on the transformers engine. A line beyond the model's context fails alone."""
     prompts = tmp_path / "prompts.jsonl"
     lines = [
         {"id": "a", "prompt": "What is 2+2?"},
         {"id": "b", "prompt": "Name three colors."},
         {"id": "c", "prompt": "Say hi.", "budget": 32},
+        {"id": "d", "prompt": "What is 2+2?", "max_new_tokens": 8},
+        {"id": "e", "prompt": "What is 2+2?", "stop": ["math"]},
+        {"id": "f", "prompt": "Say hi.", "max_new_tokens": 9000},
     ]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    first = tmp_path / "first.jsonl"
-    first.write_text(json.dumps(lines[0]) + "\n")
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps(line) + "\n" for line in (lines[0], lines[3], lines[4])))
     out, reference = tmp_path / "out.jsonl", tmp_path / "reference.jsonl"
     done, theirs = both(
-        [*VLLM_EPIKV, "generate", "--engine", "vllm", *ONE_THREAD, *RUN, "--prompts", str(prompts), "-o", str(out)],
-        [*TRANSFORMERS_EPIKV, "generate", *ONE_THREAD, *RUN, "--prompts", str(first), "-o", str(reference)],
+        [*VLLM_EPIKV, "generate", "--engine", "vllm", *ONE_THREAD, *RUN, *TOGETHER, "--prompts", str(prompts)]
+        + ["-o", str(out)],
+        [*TRANSFORMERS_EPIKV, "generate", *ONE_THREAD, *RUN, "--prompts", str(same), "-o", str(reference)],
     )
     assert done.returncode == 1, done.stderr[-2000:]  # one line failed
     assert theirs.returncode == 0, theirs.stderr[-2000:]
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "c"]
-    assert [r["error"] is None for r in records] == [True, True, False]
-    assert "runs under the command's --policy, --budget" in records[2]["error"]
-    assert records[0]["run"]["engine"] == "vllm"
-    theirs = json.loads(reference.read_text())
-    assert list(records[0]) == list(theirs)
-    assert list(records[0]["stats"]) == list(theirs["stats"])
-    assert records[0]["text"] == theirs["text"]
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["a", "b", "c", "d", "e", "f"]
+    assert [records[key]["error"] is None for key in "abcdef"] == [True, True, False, True, True, False]
+    assert "runs under the command's --policy, --budget" in records["c"]["error"]
+    assert "new tokens reach 9033, beyond the model's 8192" in records["f"]["error"]  # that line alone
+    assert records["a"]["run"]["engine"] == "vllm"
+    theirs = {r["id"]: r for r in map(json.loads, reference.read_text().splitlines())}
+    assert list(records["a"]) == list(theirs["a"])
+    assert list(records["a"]["stats"]) == list(theirs["a"]["stats"])
+    assert theirs["e"]["text"].endswith("math") and theirs["e"]["stats"]["stop_reason"] == "stop"
+    assert theirs["a"]["stats"]["evicted"] > theirs["d"]["stats"]["evicted"]
+    for key in "ade":
+        assert records[key]["text"] == theirs[key]["text"], key
+        for stat in ("generated_tokens", "evicted", "peak_stored", "stop_reason"):
+            assert records[key]["stats"][stat] == theirs[key]["stats"][stat], (key, stat)
 
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
     again = epikv(
@@ -116,7 +130,7 @@ def test_a_prompt_file_writes_the_same_lines_and_resumes(tmp_path: Path):
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming: 2 of 2 prompts already in" in again.stderr
-    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["a", "b", "c", "d", "e", "f"]
     other = epikv(TRANSFORMERS_EPIKV, "generate", *RUN, "--prompts", str(prompts), "-o", str(out), "--resume")
     assert other.returncode == 2
     assert 'engine = "vllm"' in other.stderr

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from harness import TransformersReference, greedy, token_prompts
 
+from epikv_cli.config import CacheSettings, SamplingSettings
+from epikv_cli.runtime.batchgen import Request
 from epikv_cli.vllm.engine import ring_of
+from epikv_cli.vllm.generation import GenerationInterrupted, VllmGeneration, sampling_params
 
 #: The issue's check under eviction: K = 200, 160 new tokens, the first 8 GSM8K questions.
 BUDGET, NEW = 200, 160
@@ -92,3 +96,39 @@ def test_under_eviction_the_tokens_and_evictions_are_the_transformers_engines(en
         assert record["gaps"][differ] < NEAR_TIE, f"step {differ}: top-2 gap {record['gaps'][differ]}"
         assert trace[: differ + 1] == record["evicted"][: differ + 1]
     assert same >= 6
+
+
+def test_ctrl_c_keeps_what_each_request_had_generated(engines, gsm8k_chats):
+    """Ctrl-C while two requests decode: each one's tokens and text so far come back, as the text shown had them,
+    with ``stop_reason`` ``interrupted``, and both leave the engine."""
+    llm = engines.get("epikv2", BUDGET)
+    cache = CacheSettings(budget=BUDGET, policy="epikv2")
+    sampling = SamplingSettings(max_new_tokens=NEW, ignore_eos=True)
+    requests = [Request(key, torch.tensor([ids]), cache, sampling) for key, ids in enumerate(gsm8k_chats[:2])]
+    shown: dict[int, str] = {0: "", 1: ""}
+
+    def on_text(key: int, text: str) -> None:
+        shown[key] += text
+        if len(shown[0]) + len(shown[1]) > 150:
+            raise KeyboardInterrupt
+
+    with pytest.raises(GenerationInterrupted) as stop:
+        list(VllmGeneration(llm, requests, cache, set(), on_text))
+    results = stop.value.results
+    assert sorted(results) == [0, 1]
+    for key, result in results.items():
+        assert result.stop_reason == "interrupted"
+        assert result.text == shown[key] != ""
+        assert 0 < result.generated_tokens == len(result.token_ids) < NEW
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_without_a_seed_draws_one_and_keeps_stop_strings():
+    """As on the transformers engine: a sampled request without --seed gets a fresh seed (vLLM's default, the
+    engine's seed, would give the same text at every run), a seeded one keeps its own, greedy needs none; stop
+    strings stay in the text."""
+    drawn = [sampling_params(SamplingSettings(temperature=0.7), set()).seed for _ in range(2)]
+    assert None not in drawn and drawn[0] != drawn[1]
+    assert sampling_params(SamplingSettings(temperature=0.7, seed=5), set()).seed == 5
+    assert sampling_params(SamplingSettings(), set()).seed is None
+    assert sampling_params(SamplingSettings(stop=("math",)), set()).include_stop_str_in_output

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from harness import transformers_reference
@@ -32,7 +33,8 @@ def post(url: str, body: dict) -> dict:
 
 def test_a_completion_request_is_answered_under_eviction(demo):
     """The server's greedy completion of a token-id prompt is the transformers engine's under the same policy and
-    budget, token for token, while 42 entries leave each ring."""
+    budget, token for token, while 42 entries leave each ring; a prompt longer than the ring, sent first, gets its
+    own HTTP 400 saying so, and the server goes on."""
     port = free_port()
     command = [sys.executable, "-m", "epikv_cli", "serve", "--budget", str(BUDGET), "--policy", "epikv2", "--eager"]
     command += ["--port", str(port), "--max-model-len", "512", "--dtype", "float32"]
@@ -51,6 +53,11 @@ def test_a_completion_request_is_answered_under_eviction(demo):
             except OSError:
                 assert time.monotonic() < deadline, "the server did not come up in 240 s"
                 time.sleep(1)
+        too_long = {"model": demo, "prompt": PROMPT * 6, "max_tokens": 4}  # 60 tokens: the ring holds 49
+        try:
+            refused = post(f"http://127.0.0.1:{port}/v1/completions", too_long)
+        except urllib.error.HTTPError as error:
+            refused = (error.code, json.load(error))
         answer = post(
             f"http://127.0.0.1:{port}/v1/completions",
             {
@@ -68,6 +75,8 @@ def test_a_completion_request_is_answered_under_eviction(demo):
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+    assert refused[0] == 400, refused
+    assert "the 60-token prompt does not fit --budget 48" in refused[1]["error"]["message"]
     choice = answer["choices"][0]
     assert answer["usage"]["completion_tokens"] == NEW
     assert choice["token_ids"] == reference["tokens"]
