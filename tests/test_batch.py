@@ -288,6 +288,54 @@ def test_resume_retries_lines_that_failed(tiny_model_dir, tmp_path, monkeypatch)
     assert [r["id"] for r in rows] == [1, 2, 3] and all(r["error"] is None for r in rows)
 
 
+def test_resume_replaces_a_finished_result_whose_line_is_now_an_error(tiny_model_dir, tmp_path, monkeypatch):
+    """A line edited after it finished, into one that cannot run: its old answer leaves the output and the line's
+    error takes its place (exit 1), instead of the answer to the prompt the line no longer holds."""
+    prompts = write(tmp_path / "p.jsonl", ['{"id": "a", "prompt": "one"}', '{"id": "b", "prompt": "two"}'])
+    out = tmp_path / "out.jsonl"
+    assert run(tiny_model_dir, prompts, out).exit_code == 0
+    write(prompts, ['{"id": "a", "prompt": "one"}', '{"id": "b", "prompt": "changed", "budget": "x"}'])
+    seen = spy_on_prompts(monkeypatch)
+    again = run(tiny_model_dir, prompts, out, "--resume")
+    assert again.exit_code == 1 and error_lines(again) == [2]
+    rows = records(out)
+    assert [(r["id"], r["error"] is None) for r in rows] == [("a", True), ("b", False)]
+    assert "'budget' must be a whole number" in rows[1]["error"] and len(seen) == 0
+
+
+def test_a_lines_seed_seeds_its_policy_as_seed_does(tiny_model_dir, tmp_path):
+    """``"seed"`` on a line is ``--seed`` for that line: the sampling's seed and the random policy's."""
+    prompts = write(tmp_path / "p.jsonl", ['{"id": "s", "prompt": "one two three four", "seed": 7}'])
+    out = tmp_path / "out.jsonl"
+    assert run(tiny_model_dir, prompts, out, "-p", "random", "-n", "40").exit_code == 0
+    line = records(out)[0]
+    flag = runner.invoke(
+        app,
+        ["generate", "--model", str(tiny_model_dir), "-n", "40", "-b", "48", "--ignore-eos", "-q", "--json"]
+        + ["-p", "random", "--seed", "7", "one two three four"],
+    )
+    assert flag.exit_code == 0, flag.stderr
+    alone = json.loads(flag.stdout)
+    assert line["run"]["policy_seed"] == 7 and alone["evicted"] > 0
+    assert line["text"] == alone["text"]
+
+
+def test_system_is_the_first_message_of_a_messages_line_without_one(tiny_model_dir, tmp_path):
+    """``--system`` reaches a ``messages`` line as it reaches a prompt line (the same token count); a line's own
+    system message stays."""
+    lines = [
+        '{"id": "p", "prompt": "Hi"}',
+        '{"id": "m", "messages": [{"role": "user", "content": "Hi"}]}',
+        '{"id": "o", "messages": [{"role": "system", "content": "Own."}, {"role": "user", "content": "Hi"}]}',
+    ]
+    prompts = write(tmp_path / "p.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert run(tiny_model_dir, prompts, out, "--system", "Be brief.").exit_code == 0
+    counts = {r["id"]: r["stats"]["prompt_tokens"] for r in records(out)}
+    assert counts["m"] == counts["p"]
+    assert counts["o"] == counts["p"] - len("Be brief.") + len("Own.")  # a byte-level tokenizer
+
+
 def test_a_runtime_error_on_one_prompt_is_recorded_and_the_batch_goes_on(tiny_model_dir, tmp_path, monkeypatch):
     prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
     out = tmp_path / "out.jsonl"

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
+from epikv_cli.cli import evaluate as eval_cli
 from epikv_cli.cli.app import app
+from epikv_cli.errors import UsageError
 from epikv_cli.experiments import evaluate
 from epikv_cli.experiments.evaluate import is_correct, last_boxed, model_answer, reference_answer, wilson
 
@@ -57,6 +59,8 @@ class ScriptedGeneration:
 
     def __init__(self, model, tokenizer, input_ids, cache, sampling):
         self.text = next(text for needle, text in self.answers.items() if needle in tokenizer.decode(input_ids[0]))
+        if isinstance(self.text, Exception):  # scripted to fail as a budget too small for the prompt does
+            raise self.text
         self.sampling = sampling
 
     def __iter__(self):
@@ -189,3 +193,147 @@ def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path):
         rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: (r["id"], r["policy"]))
         outputs.append([(r["id"], r["policy"], r.get("text"), r.get("error")) for r in rows])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+THREE = [
+    {"problem": "What is 6 times 7?", "answer": "42"},
+    {"problem": "What is 1 plus 1?", "answer": "2"},
+    {"problem": "What is 3 minus 3?", "answer": "0"},
+]
+
+
+def scripted_eval(tiny_model_dir, tmp_path, monkeypatch, answers: dict, rows=THREE):
+    """A dataset of ``rows``, scripted ``answers`` and ``run(*extra)``: ``epikv eval --json`` with policy full into
+    ``out``; returns (run, out)."""
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ScriptedGeneration.answers = answers
+    monkeypatch.setattr(evaluate, "Generation", ScriptedGeneration)
+    out = tmp_path / "eval.jsonl"
+
+    def run(*extra: str):
+        args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--policies", "full", "-n", "8"]
+        return runner.invoke(app, [*args, "-o", str(out), "--json", "-q", *extra])
+
+    return run, out
+
+
+def lines_of(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+RIGHT = {"6 times 7": r"\boxed{42}", "1 plus 1": r"\boxed{2}", "3 minus 3": r"\boxed{1}"}
+
+
+def test_resume_after_a_line_cut_short_rewrites_the_file(tiny_model_dir, tmp_path, monkeypatch):
+    """A crash left half a line without its newline: the resumed records went onto its end, and the next --resume
+    refused the file."""
+    run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, RIGHT)
+    assert run("--limit", "1").exit_code == 0
+    with out.open("a") as file:
+        file.write('{"id": 2, "line": 2, "policy": "fu')  # cut short by a crash
+    resumed = run("--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert [(r["id"], r["correct"]) for r in lines_of(out)] == [(1, True), (2, True), (3, False)]
+    again = run("--resume")
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["results"][0]["correct"] == 2 and len(lines_of(out)) == 3
+
+
+def test_resume_replaces_the_error_lines_it_retries(tiny_model_dir, tmp_path, monkeypatch):
+    failing = {**RIGHT, "1 plus 1": UsageError("--budget 4 is too small")}
+    run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, failing)
+    assert run().exit_code == 0
+    still = run("--resume")  # problem 2 fails again: one error line, counted once
+    assert still.exit_code == 0, still.stderr
+    assert [(r["id"], r["error"]) for r in lines_of(out)] == [
+        (1, None),
+        (3, None),
+        (2, "--budget 4 is too small"),
+    ]
+    row = json.loads(still.stdout)["results"][0]
+    assert (row["problems"], row["correct"], row["errors"]) == (2, 1, 1)
+    ScriptedGeneration.answers = RIGHT
+    fixed = run("--resume")
+    assert fixed.exit_code == 0, fixed.stderr
+    assert [(r["id"], r["error"]) for r in lines_of(out)] == [(1, None), (3, None), (2, None)]
+    row = json.loads(fixed.stdout)["results"][0]
+    assert (row["problems"], row["correct"], row["errors"]) == (3, 2, 0)
+
+
+def test_resume_with_another_range_summarises_only_its_problems(tiny_model_dir, tmp_path, monkeypatch):
+    run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, RIGHT)
+    assert run().exit_code == 0
+    part = run("--resume", "--offset", "2", "--limit", "1")  # problem 3 alone, answered wrong
+    assert part.exit_code == 0, part.stderr
+    data = json.loads(part.stdout)
+    assert data["problems"] == 1
+    row = data["results"][0]
+    assert (row["problems"], row["correct"], row["accuracy"]) == (1, 0, 0.0)
+    assert len(lines_of(out)) == 3  # the file keeps the other problems
+
+
+def reject_constant(name: str):
+    raise AssertionError(f"{name} is not JSON")
+
+
+def test_every_problem_an_error_gives_null_accuracy(tiny_model_dir, tmp_path, monkeypatch):
+    """--json printed NaN for accuracy and its interval, which no strict JSON reader accepts."""
+    failing = dict.fromkeys(RIGHT, UsageError("--budget 4 is too small"))
+    run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, failing)
+    result = run()
+    assert result.exit_code == 0, result.stderr
+    row = json.loads(result.stdout, parse_constant=reject_constant)["results"][0]
+    assert (row["accuracy"], row["low"], row["high"], row["problems"], row["errors"]) == (None, None, None, 0, 3)
+    table = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(tmp_path / "set.jsonl"),
+            "--policies",
+            "full",
+            "-n",
+            "8",
+            "-q",
+        ],
+    )
+    assert table.exit_code == 0, table.stderr
+    row_line = next(line for line in table.stdout.splitlines() if line.lstrip().startswith("full"))
+    assert row_line.split() == ["full", "none", "–", "–", "0/0", "0", "3", "–", "–"]
+
+
+def refuse_to_load(*args, **kwargs):
+    raise AssertionError("the model loaded before the input was checked")
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ({"id": 1.5}, "'id' must be a string or a whole number, got 1.5"),
+        ({"id": None}, "'id' must be a string or a whole number, got null"),
+        ({"id": [2]}, "'id' must be a string or a whole number, got [2]"),
+        ({"id": {"a": 1}}, "'id' must be a string or a whole number, got {\"a\": 1}"),
+        ({"id": True}, "'id' must be a string or a whole number, got true"),
+        ({"unique_id": 2.5}, "'unique_id' must be a string or a whole number, got 2.5"),
+        ({"messages": "hello"}, "'messages' must be a non-empty list of {'role', 'content'} objects"),
+        ({"messages": [{"role": "user"}]}, "'messages' must be a non-empty list of {'role', 'content'} objects"),
+        ({"messages": []}, "'messages' must be a non-empty list of {'role', 'content'} objects"),
+        ({"messages": None}, "'messages' must be a non-empty list of {'role', 'content'} objects"),
+    ],
+)
+def test_a_bad_id_or_messages_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch, line, needle):
+    data = tmp_path / "set.jsonl"
+    data.write_text(
+        json.dumps({"problem": "1+1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"problem": "2+2?", "answer": "4", **line})
+        + "\n"
+    )
+    monkeypatch.setattr(eval_cli, "load", refuse_to_load)
+    result = runner.invoke(app, ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "-n", "4"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"epikv: error: {data}:2: {needle}"), result.stderr

@@ -11,6 +11,8 @@ from test_exactness import masked_reference
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
+from epikv_cli.cli import calibrate as calibrate_cli
+from epikv_cli.cli import fidelity as fidelity_cli
 from epikv_cli.cli.app import app
 from epikv_cli.cli.ui import fixed
 from epikv_cli.config import CacheSettings
@@ -310,3 +312,72 @@ def test_the_summary_keeps_every_digit_of_the_means(tiny_model_dir, tmp_path):
 def test_no_kl_prints_as_a_negative_zero():
     assert [fixed(v, 4) for v in (-3e-9, -0.00004, 0.0, -0.0)] == ["0.0000"] * 4
     assert fixed(-0.4, 0) == "0" and fixed(-0.2, 1) == "-0.2" and fixed(0.12345, 4) == "0.1235"
+
+
+def test_resume_after_a_line_cut_short_rewrites_the_file(tiny_model_dir, tmp_path):
+    """A crash left half a line without its newline: the resumed record went onto its end, and the next --resume
+    refused the file."""
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}])
+    out = tmp_path / "fid.jsonl"
+    base = ("--policies", "streaming", "--budgets", "+8", "-n", "8")
+    assert runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base, "--limit", "1")).exit_code == 0
+    with out.open("a") as file:
+        file.write('{"id": 2, "line": 2, "prompt_tokens": 4')  # cut short by a crash
+    resumed = runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base, "--resume"))
+    assert resumed.exit_code == 0, resumed.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2]
+    again = runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base, "--resume"))
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["results"][0]["prompts_counted"] == 2
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_resume_with_another_range_summarises_only_its_prompts(tiny_model_dir, tmp_path):
+    path = dataset(tmp_path, [{"problem": "What is 2 + 2?"}, {"problem": "Name a prime."}, {"problem": "Say hi."}])
+    out = tmp_path / "fid.jsonl"
+    base = ("--policies", "streaming", "--budgets", "+8", "-n", "8")
+    assert runner.invoke(app, fidelity_args(tiny_model_dir, path, out, *base)).exit_code == 0
+    part = runner.invoke(
+        app, fidelity_args(tiny_model_dir, path, out, *base, "--resume", "--offset", "1", "--limit", "1")
+    )
+    assert part.exit_code == 0, part.stderr
+    data = json.loads(part.stdout)
+    kl_of_2 = json.loads(out.read_text().splitlines()[1])["results"][0]["kl_all"]
+    assert (data["prompts"], data["results"][0]["prompts_counted"], data["results"][0]["kl_all"]) == (1, 1, kl_of_2)
+    assert len(out.read_text().splitlines()) == 3  # the file keeps the other prompts
+
+
+def refuse_to_load(*args, **kwargs):
+    raise AssertionError("the model loaded before the prompts were checked")
+
+
+@pytest.mark.parametrize("command", ["fidelity", "calibrate"])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ({"id": 2.5, "problem": "Two?"}, "'id' must be a string or a whole number, got 2.5"),
+        ({"id": None, "problem": "Two?"}, "'id' must be a string or a whole number, got null"),
+        ({"id": ["b"], "problem": "Two?"}, "'id' must be a string or a whole number, got [\"b\"]"),
+        ({"messages": "hello"}, "'messages' must be a non-empty list of {'role', 'content'} objects"),
+        ({"messages": [{"role": "user", "content": 2}]}, "'messages' must be a non-empty list of {'role', 'content'}"),
+    ],
+)
+def test_a_bad_id_or_messages_is_refused_before_the_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch, command, line, needle
+):
+    path = dataset(tmp_path, [{"problem": "One?"}, line])
+    monkeypatch.setattr(fidelity_cli, "load", refuse_to_load)
+    monkeypatch.setattr(calibrate_cli, "load", refuse_to_load)
+    result = runner.invoke(app, [command, "--model", str(tiny_model_dir), "--prompts", str(path), "-n", "4"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"epikv: error: {path}:2: {needle}"), result.stderr
+
+
+def test_problems_keep_well_formed_messages_and_ids(tmp_path):
+    messages = [{"role": "user", "content": "Hi"}]
+    path = dataset(tmp_path, [{"id": "a", "messages": messages}, {"unique_id": "test/1.json", "problem": "p2"}])
+    assert [(p.id, p.messages, p.prompt) for p in load_problems(path)] == [
+        ("a", messages, None),
+        ("test/1.json", None, "p2"),
+    ]

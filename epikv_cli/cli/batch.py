@@ -65,6 +65,7 @@ from epikv_cli.data.prompts import (
     has_chat_template,
     no_prompts,
     prompt_file_missing,
+    valid_messages,
 )
 from epikv_cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
 from epikv_cli.models.loading import load
@@ -213,6 +214,8 @@ def _apply_settings(item: PromptItem, data: dict, cache: CacheSettings, sampling
         if key == "stop":
             value = tuple([value] if isinstance(value, str) else value)
         changes[target][key] = value
+    if "seed" in changes["sampling"]:  # as --seed: the sampling's seed and the policy's (-p random draws with it)
+        changes["cache"]["seed"] = changes["sampling"]["seed"]
     try:
         item.cache = check_settings(dataclasses.replace(cache, **changes["cache"]))
         item.sampling = dataclasses.replace(sampling, **changes["sampling"])
@@ -253,14 +256,7 @@ def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: Sam
         return item
     if isinstance(prompt, str) and messages is None:
         item.prompt = decode_text(prompt)[0]
-    elif (
-        prompt is None
-        and isinstance(messages, list)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+    elif prompt is None and valid_messages(messages):
         item.messages = [{**m, "content": decode_text(m["content"])[0]} for m in messages]
     else:
         item.error = "needs either a 'prompt' string or a 'messages' list of {'role', 'content'} objects"
@@ -436,8 +432,15 @@ def _prepare_output(files: BatchFiles, items: list[PromptItem], previous: list[d
     if files.output is None:
         return
     if files.resume:
+        # a line of the file runs again where its last result was an error, and a finished result of a line that is
+        # now an error itself (edited since) leaves: that line's error line replaces it
         rerun = {id_key(item.id) for item in items}
-        kept = [r for r in previous if r.get("error") is None or id_key(r["id"]) not in rerun]
+        failing = {id_key(item.id) for item in items if item.error is not None}
+        kept = [
+            r
+            for r in previous
+            if id_key(r["id"]) not in failing and (r.get("error") is None or id_key(r["id"]) not in rerun)
+        ]
         write_records(files.output, kept)
     else:
         files.output.write_text("", encoding="utf-8")
@@ -481,7 +484,7 @@ def run_batch(
     if ranks.is_main:
         _prepare_output(files, items, previous)
     done = finished_ids(previous)
-    todo = [item for item in items if id_key(item.id) not in done]
+    todo = [item for item in items if item.error is not None or id_key(item.id) not in done]
     mine = ranks.shard(todo)
     if files.resume and ranks.is_main and not quiet:
         err.print(f"[dim]resuming: {len(items) - len(todo)} of {len(items)} prompts already in {files.output}[/dim]")

@@ -12,10 +12,16 @@ from rich.console import Console
 
 from epikv_cli.cli.ui import eval_table, progress_bar, wide_console
 from epikv_cli.data.fingerprint import Fingerprint, model_run, problem_fingerprints, resumable
-from epikv_cli.data.jsonl import JsonlWriter, id_key, read_results, sort_by_line
+from epikv_cli.data.jsonl import JsonlWriter, id_key, read_results, sort_by_line, write_records
 from epikv_cli.data.problems import Problem
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
-from epikv_cli.experiments.evaluate import eval_records, load_eval_problems, remaining, summarise
+from epikv_cli.experiments.evaluate import (
+    eval_records,
+    load_eval_problems,
+    remaining,
+    summarise,
+    without_retried,
+)
 from epikv_cli.experiments.fidelity import Config
 from epikv_cli.models.loading import load
 from epikv_cli.runtime.scaleout import PeerFailed, Ranks
@@ -37,10 +43,14 @@ def run_eval(
     records and the exit status. Each record carries its prompt's fingerprint."""
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    if ranks.is_main and files.output is not None and not files.resume:
-        files.output.write_text("", encoding="utf-8")
-    mine = ranks.shard(remaining(problems, configs, previous))
-    records = list(previous)
+    work = remaining(problems, configs, previous)
+    records = without_retried(previous, work)  # a retried error's new record replaces it
+    if ranks.is_main and files.output is not None:
+        if files.resume:  # its whole lines (not a line a crash cut short), less the errors run again
+            write_records(files.output, records)
+        else:
+            files.output.write_text("", encoding="utf-8")
+    mine = ranks.shard(work)
     interrupted = False
     writer = None
     try:
@@ -127,7 +137,8 @@ def eval_command(
     )
     if not ranks.is_main:
         return code
-    rows = summarise([r for r in records if "policy" in r], configs)
+    ids = {id_key(p.id) for p in problems}  # a resumed file may hold other problems (--limit, --offset): not counted
+    rows = summarise([r for r in records if "policy" in r and id_key(r["id"]) in ids], configs)
     model_name = model_settings.shape or model_settings.model or "SmolLM2-135M-Instruct"
     if json_output:
         with writing("stdout"):

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from epikv_cli.cli.ui import fidelity_table, progress_bar, wide_console
 from epikv_cli.data.fingerprint import Fingerprint, model_run, problem_fingerprints, resumable
-from epikv_cli.data.jsonl import JsonlWriter, id_key
+from epikv_cli.data.jsonl import JsonlWriter, id_key, write_records
 from epikv_cli.data.problems import Problem
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.experiments.fidelity import Config, SummaryRow, fidelity_records, summarise, unfinished
@@ -42,9 +42,12 @@ def run_fidelity(
             f"epikv: resuming: {again} finished prompts run again for the policies and budgets added since",
             file=sys.stderr,
         )
-    if output is not None and not previous:
+    if output is not None and previous:  # --resume: its whole lines, not a line a crash cut short
+        write_records(output, previous)
+    elif output is not None:
         output.write_text("", encoding="utf-8")
-    records = [r for r in previous if "results" in r]
+    ids = {id_key(p.id) for p in problems}  # a resumed file may hold other prompts (--limit, --offset): not counted
+    records = [r for r in previous if "results" in r and id_key(r["id"]) in ids]
     writer = JsonlWriter(output) if output is not None else None
     interrupted = False
     try:

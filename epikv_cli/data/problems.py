@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epikv_cli.config import PromptSettings
+from epikv_cli.data.jsonl import valid_id
 from epikv_cli.data.prompts import (
     build_input_ids,
     decode_text,
     has_chat_template,
     no_prompts,
     prompt_file_missing,
+    valid_messages,
 )
 from epikv_cli.errors import UsageError
 
@@ -59,10 +61,22 @@ def _answer(value: Any) -> str | None:
 
 
 def _problem(number: int, data: dict, field: str | None, answer_field: str, source: Path) -> Problem:
-    problem_id = data.get("id", data.get("unique_id", number))
+    key = "id" if "id" in data else "unique_id" if "unique_id" in data else None
+    problem_id = data[key] if key else number
+    if not valid_id(problem_id):
+        raise UsageError(
+            f"{source}:{number}: {key!r} must be a string or a whole number, got {json.dumps(problem_id)}; "
+            "ids decide what --resume skips"
+        )
     answer = _answer(data.get(answer_field))
     if "messages" in data and field is None:
-        return Problem(problem_id, number, messages=data["messages"], answer=answer)
+        messages = data["messages"]
+        if not messages or not valid_messages(messages):
+            raise UsageError(
+                f"{source}:{number}: 'messages' must be a non-empty list of {{'role', 'content'}} objects with "
+                "string values"
+            )
+        return Problem(problem_id, number, messages=messages, answer=answer)
     fields = (field,) if field else ("prompt", *QUESTION_FIELDS)
     for name in fields:
         if isinstance(data.get(name), str):

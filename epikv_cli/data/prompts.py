@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from epikv_cli.config import PromptSettings
 from epikv_cli.errors import UsageError
@@ -59,6 +59,13 @@ def require_text(prompt: str | None) -> str:
     return prompt
 
 
+def valid_messages(messages: Any) -> bool:
+    """Whether ``messages`` is a chat as JSONL gives it: a list of objects with a ``role`` and a ``content`` string."""
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    )
+
+
 def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
     """``[{"role": "system", ...}, {"role": "user", ...}]`` for one prompt."""
     messages = [{"role": "system", "content": system}] if system is not None else []
@@ -68,7 +75,8 @@ def build_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
 def build_input_ids(
     tokenizer, prompt: str | None = None, settings: PromptSettings | None = None, messages: list | None = None
 ) -> torch.Tensor:
-    """Token ids ``[1, prompt_len]`` for a prompt string or a list of chat messages.
+    """Token ids ``[1, prompt_len]`` for a prompt string or a list of chat messages (``settings.system`` first,
+    unless the messages hold a system message of their own).
 
     With a chat template (and ``settings.chat_template``), the template is applied with the
     generation prompt added; otherwise the text is tokenized as is, with the tokenizer's special tokens.
@@ -78,6 +86,8 @@ def build_input_ids(
         messages = build_messages(require_text(prompt), settings.system)
     elif not messages:
         raise UsageError("the message list is empty; give at least one {'role': 'user', 'content': ...}")
+    elif settings.system is not None and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": settings.system}, *messages]  # --system, as for a prompt
     has_template = has_chat_template(tokenizer)
     if settings.chat_template and has_template:
         encoded = tokenizer.apply_chat_template(

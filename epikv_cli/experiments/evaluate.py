@@ -99,9 +99,10 @@ class EvalRow:
     budget: str
     problems: int
     correct: int
-    accuracy: float
-    low: float
-    high: float
+    #: None when no problem was answered (every one errored)
+    accuracy: float | None
+    low: float | None
+    high: float | None
     no_answer: int
     errors: int
     mean_generated_tokens: float | None
@@ -112,12 +113,13 @@ class EvalRow:
 
 
 def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
+    """One :class:`EvalRow` per config over ``records``; accuracy and interval None where none was answered."""
     rows = []
     for config in configs:
         mine = [r for r in records if r["policy"] == config.policy and r["budget"] == config.budget.text]
         answered = [r for r in mine if r.get("error") is None]
         correct = sum(bool(r["correct"]) for r in answered)
-        low, high = wilson(correct, len(answered))
+        low, high = wilson(correct, len(answered)) if answered else (None, None)  # JSON has no NaN
         speeds = [r["decode_tokens_per_s"] for r in answered if r.get("decode_tokens_per_s")]
         lengths = [r["generated_tokens"] for r in answered]
         rows.append(
@@ -126,7 +128,7 @@ def summarise(records: list[dict], configs: list[Config]) -> list[EvalRow]:
                 config.budget.text,
                 len(answered),
                 correct,
-                correct / len(answered) if answered else math.nan,
+                correct / len(answered) if answered else None,
                 low,
                 high,
                 sum(r["prediction"] is None for r in answered),
@@ -192,7 +194,8 @@ def judged(problem: Problem, config: Config, result) -> dict:
 
 
 def _key(record: dict) -> str:
-    return json.dumps([record["id"], record["policy"], record["budget"]])
+    """``record``'s problem id, policy and budget as one comparable key."""
+    return json.dumps([record["id"], record.get("policy"), record.get("budget")])
 
 
 def load_eval_problems(
@@ -223,6 +226,12 @@ def remaining(problems: list[Problem], configs: list[Config], previous: list[dic
         for c in configs
         if _key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) not in done
     ]
+
+
+def without_retried(previous: list[dict], work: list[tuple[Problem, Config]]) -> list[dict]:
+    """``previous`` less its error records of a (problem, config) in ``work``: the records that run replaces."""
+    again = {_key({"id": p.id, "policy": c.policy, "budget": c.budget.text}) for p, c in work}
+    return [r for r in previous if r.get("error") is None or _key(r) not in again]
 
 
 def eval_records(
