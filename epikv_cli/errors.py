@@ -21,6 +21,14 @@ class UsageError(ValueError):
     """
 
 
+def failure_line(error: Exception) -> str:
+    """One line for one prompt's failure: a usage error as it is, anything else with its type."""
+    if isinstance(error, UsageError):
+        return str(error)
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else 'no message'}"
+
+
 class EpikvWarning(UserWarning):
     """Something the user should know that does not stop the run (an unreadable bands file, a prompt beyond the
     model's context): raised with :func:`warnings.warn` by any layer, shown by the CLI as one ``epikv: warning:``

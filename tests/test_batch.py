@@ -545,6 +545,28 @@ def test_batch_size_gives_the_same_results_as_one_at_a_time(tiny_model_dir, tmp_
             assert batched["stats"]["decode_peak_memory_bytes"] is None
 
 
+def test_a_chat_template_that_raises_for_one_line_is_that_lines_error_in_a_batch(tiny_model_dir, tmp_path, monkeypatch):
+    """With --batch-size, a prompt whose template raises (a Jinja ``raise_exception``) fails alone, as one at a
+    time."""
+    real = batch.build_input_ids
+
+    def template(tokenizer, prompt, settings, messages=None):
+        if prompt == "two":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+        return real(tokenizer, prompt, settings, messages=messages)
+
+    monkeypatch.setattr(batch, "build_input_ids", template)
+    prompts = write(tmp_path / "p.txt", ["one", "two", "three"])
+    out = tmp_path / "out.jsonl"
+    result = run(tiny_model_dir, prompts, out, "--batch-size", "2")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    assert [(r["id"], r["error"]) for r in sorted(records(out), key=lambda r: r["id"])] == [
+        (1, None),
+        (2, "ValueError: Conversation roles must alternate user/assistant/user/assistant"),
+        (3, None),
+    ]
+
+
 def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_dir, tmp_path, monkeypatch):
     from epikv_cli.runtime import batched
 

@@ -261,6 +261,20 @@ def test_resume_replaces_the_error_lines_it_retries(tiny_model_dir, tmp_path, mo
     assert (row["problems"], row["correct"], row["errors"]) == (3, 2, 0)
 
 
+def test_a_runtime_error_is_that_records_error_and_the_rest_runs(tiny_model_dir, tmp_path, monkeypatch):
+    """As a batch line's: out of memory or any other failure of one problem is its record's error, with its type,
+    and the other problems are answered (no traceback)."""
+    failing = {**RIGHT, "1 plus 1": RuntimeError("the device fell over\nmore details")}
+    run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, failing)
+    done = run()
+    assert done.exit_code == 0 and "Traceback" not in done.stderr, done.stderr
+    assert [(r["id"], r["error"]) for r in lines_of(out)] == [
+        (1, None),
+        (2, "RuntimeError: the device fell over"),
+        (3, None),
+    ]
+
+
 def test_resume_with_another_range_summarises_only_its_problems(tiny_model_dir, tmp_path, monkeypatch):
     run, out = scripted_eval(tiny_model_dir, tmp_path, monkeypatch, RIGHT)
     assert run().exit_code == 0

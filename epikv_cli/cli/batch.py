@@ -67,7 +67,7 @@ from epikv_cli.data.prompts import (
     prompt_file_missing,
     valid_messages,
 )
-from epikv_cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError
+from epikv_cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, failure_line
 from epikv_cli.models.loading import load
 from epikv_cli.policies.registry import check_settings
 from epikv_cli.runtime.batchgen import BatchedGeneration, Request
@@ -349,8 +349,8 @@ def _outcomes(loaded, items: list[PromptItem], prompt_settings: PromptSettings, 
             continue
         try:
             ids = build_input_ids(loaded.tokenizer, item.prompt, prompt_settings, messages=item.messages)
-        except UsageError as error:
-            item.error = str(error)
+        except Exception as error:  # noqa: BLE001 - a chat template that raises for this line: its error alone
+            item.error = failure_line(error)
             yield item, None
             continue
         pending.append((item, ids))
@@ -385,16 +385,8 @@ def _one_at_a_time(loaded, items: list[PromptItem], prompt_settings: PromptSetti
             yield item, _generate(loaded, item, prompt_settings)
         except Exception as error:  # one prompt's failure (out of memory included) is its line's error
             _release_memory(error)
-            item.error = _failure(error)
+            item.error = failure_line(error)
             yield item, None
-
-
-def _failure(error: Exception) -> str:
-    """One line for a prompt that raised: a usage error as it is, anything else with its type."""
-    if isinstance(error, UsageError):
-        return str(error)
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else 'no message'}"
 
 
 def _release_memory(error: Exception) -> None:

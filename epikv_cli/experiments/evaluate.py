@@ -25,7 +25,7 @@ from epikv_cli.data.problems import (
     load_problems,
     protocol_ids,
 )
-from epikv_cli.errors import UsageError
+from epikv_cli.errors import UsageError, failure_line
 from epikv_cli.experiments.fidelity import Config
 from epikv_cli.runtime.batchgen import BatchedGeneration, Request
 from epikv_cli.runtime.generation import Generation
@@ -153,7 +153,7 @@ def evaluate_one(loaded, problem: Problem, config: Config, max_new_tokens: int) 
         )
         for _ in generation:
             pass
-    except UsageError as error:  # e.g. a prompt too long for this budget
+    except Exception as error:  # noqa: BLE001 - a prompt too long for this budget, out of memory: this record's
         return judged(problem, config, error)
     return judged(problem, config, generation.result)
 
@@ -175,8 +175,8 @@ def evaluate_batched(loaded, work: list[tuple[Problem, Config]], max_new_tokens:
 def judged(problem: Problem, config: Config, result) -> dict:
     """The JSONL record of one answer (or of the error that kept it from running), judged by math-verify."""
     record = {"id": problem.id, "line": problem.line, "policy": config.policy, "budget": config.budget.text}
-    if isinstance(result, UsageError):
-        return {**record, "error": str(result)}
+    if isinstance(result, Exception):
+        return {**record, "error": failure_line(result)}
     prediction = model_answer(result.text)
     reference = reference_answer(problem.answer)
     return {
