@@ -184,3 +184,18 @@ def test_a_prompt_refused_before_the_engine_is_built_is_one_line():
         "epikv: error: the prompt (33 tokens) and its 9000 new tokens reach 9033, beyond the model's 8192 on --engine "
         "vllm: lower max_new_tokens (-n) or shorten the prompt"
     ]
+
+
+def test_profile_refuses_a_prompt_longer_than_the_ring_before_building_engines(monkeypatch):
+    from epikv_cli.cli import profile
+
+    def build(*args, **kwargs):
+        raise AssertionError("an engine was built before the prompt was refused")
+
+    monkeypatch.setattr(profile, "VllmEngines", build)
+    done = CliRunner().invoke(app, ["profile", "--engine", "vllm", "-q", "--policies", "streaming", "--budget", "32"])
+    assert done.exit_code == 2
+    assert done.stderr.strip().splitlines() == [
+        "epikv: error: the 256-token prompt does not fit --budget 32 on --engine vllm, which holds the whole prompt: "
+        "raise --budget or shorten the prompt"
+    ]
