@@ -243,6 +243,7 @@ def test_resume_refuses_results_of_other_prompts(tiny_model_dir, tmp_path, monke
         (["--policy", "h2o"], 'policy = "epikv2", this run has policy = "h2o"'),
         (["--temperature", "0.7"], "temperature = 0.0, this run has temperature = 0.7"),
         (["--system", "Be brief."], 'system = null, this run has system = "Be brief."'),
+        (["--attn", "eager"], 'attn = null, this run has attn = "eager"'),
     ],
 )
 def test_resume_refuses_other_settings(tiny_model_dir, tmp_path, changed, named):

@@ -31,11 +31,14 @@ def prompt_digest(prompt: str | None, messages: list | None = None) -> str:
 
 
 def model_run(settings: ModelSettings) -> dict[str, Any]:
-    """The model settings that change results: which model, how many of its layers, its dtype, and the engine when it
-    is not the transformers one (the engines' float sums differ)."""
+    """The model settings that change results: which model, how many of its layers, its dtype, and the engine and
+    attention kernel when they are not the default ones (their float sums differ; results written before a key
+    existed read as its default)."""
     run = {"model": settings.shape or settings.model or "demo", "layers": settings.layers, "dtype": settings.dtype}
     if settings.engine != "transformers":
         run["engine"] = settings.engine
+    if settings.attn != "auto":
+        run["attn"] = settings.attn
     return run
 
 
