@@ -7,6 +7,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from epikv_cli.cli import evaluate as eval_cli
@@ -160,14 +161,28 @@ def test_bad_input(tiny_model_dir, tmp_path, args, needle):
     )
 
 
-def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path):
+def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path, monkeypatch):
+    """Batched, and batched with a step that runs out of memory (the unfinished problems then run one at a time, as
+    batch files do): the records of one at a time."""
+    from epikv_cli.runtime import batched
+
     data = tmp_path / "set.jsonl"
     data.write_text(
         "".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(4))
     )
+    real, calls = batched.BatchDecoder.forward, []
+
+    def failing(self, tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory in a batched step")
+        return real(self, tokens)
+
     outputs = []
-    for batch in ("1", "3"):
-        out = tmp_path / f"eval{batch}.jsonl"
+    for batch in ("1", "3", "3"):
+        if len(outputs) == 2:
+            monkeypatch.setattr(batched.BatchDecoder, "forward", failing)
+        out = tmp_path / f"eval{len(outputs)}.jsonl"
         result = runner.invoke(
             app,
             [
@@ -192,7 +207,8 @@ def test_batched_eval_gives_the_same_records(tiny_model_dir, tmp_path):
         assert result.exit_code == 0, result.stderr
         rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: (r["id"], r["policy"]))
         outputs.append([(r["id"], r["policy"], r.get("text"), r.get("error")) for r in rows])
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 8
+    assert len(calls) == 3  # the third batched step failed; the rest ran one at a time
 
 
 THREE = [

@@ -166,10 +166,17 @@ def evaluate_batched(loaded, work: list[tuple[Problem, Config]], max_new_tokens:
     for index, (problem, config) in enumerate(work):
         ids = protocol_ids(loaded.tokenizer, problem)
         requests.append(Request(index, ids, config.settings(ids.shape[1]), sampling))
-    for index, outcome in BatchedGeneration(
-        loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]
-    ):
-        yield judged(*work[index], outcome)
+    finished: set[int] = set()
+    try:
+        for index, outcome in BatchedGeneration(
+            loaded.model, loaded.tokenizer, requests, batch_size, [r.cache for r in requests]
+        ):
+            finished.add(index)
+            yield judged(*work[index], outcome)
+    except Exception:  # noqa: BLE001 - out of memory in a batched step: the unfinished ones one at a time, as batch files
+        for index, (problem, config) in enumerate(work):
+            if index not in finished:
+                yield evaluate_one(loaded, problem, config, max_new_tokens)
 
 
 def judged(problem: Problem, config: Config, result) -> dict:
