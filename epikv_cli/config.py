@@ -139,8 +139,12 @@ class Calibration:
     @classmethod
     def from_record(cls, record: dict) -> Calibration:
         """A calibration from its JSON record (a saved file, or the one the vLLM engine's settings carry); raises
-        ``KeyError``, ``TypeError`` or ``ValueError`` when ``record`` is not one."""
-        return cls(**{**record, "bands": [(int(layer), float(sign)) for layer, sign in record["bands"]]})
+        ``KeyError``, ``TypeError`` or ``ValueError`` when ``record`` is not one (its bands are checked as
+        ``--bands`` is, and there must be one at least)."""
+        bands = checked_bands(record["bands"])
+        if not bands:
+            raise ValueError("a calibration without bands")
+        return cls(**{**record, "bands": list(bands)})
 
     def describe(self) -> str:
         return f"calibrated ({self.path})"

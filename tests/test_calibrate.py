@@ -110,7 +110,16 @@ def test_the_table_says_where_the_bands_were_saved(tiny_model_dir, tmp_path, mon
     assert f"bandssavedto{saved}" in "".join(result.stdout.split())  # the table wraps at the runner's width
 
 
-@pytest.mark.parametrize("content", [b"", b"{not json", b'{"bands": 3}'])
+def saved_record(bands) -> bytes:
+    """A saved calibration's JSON with ``bands``, every other field as calibrate writes it."""
+    record = {"model": "m", "bands": bands, "spearman": [0.0] * 4, "windows": 9, "prompts": 2, "new_tokens": 64}
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{not json", b'{"bands": 3}', saved_record([]), saved_record([[1, 5]]), saved_record([[1.9, -1]])],
+)
 def test_an_unreadable_bands_file_is_named_in_a_warning(tiny_model_dir, tmp_path, monkeypatch, content):
     """A bands file left empty by a full disk (or damaged) was silently ignored: now one warning names it."""
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
@@ -163,4 +172,19 @@ def test_ctrl_c_prints_what_the_finished_prompts_say_and_saves_nothing(tiny_mode
         assert data["prompts"] == 2 and data["path"] is None
         assert data["windows"] == 2 * len(range(0, 64 - WINDOW - 1, STRIDE))
     else:
-        assert "nowhere (interrupted)" in " ".join(result.stdout.split())
+        assert "nowhere (not saved)" in " ".join(result.stdout.split())
+
+
+def test_a_config_json_is_refused_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """Random weights from a config.json would be calibrated and saved under bands generate never reads for them."""
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The first prompt.\n")
+    args = ["calibrate", "--model", str(tiny_model_dir / "config.json"), "--prompts", str(prompts), "-n", "64"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "epikv: error: calibrate measures a model's trained weights; a config.json builds random ones, for which "
+        "generate reads no saved bands: give the model's directory"
+    ]
+    assert not (tmp_path / "bands").exists()

@@ -11,14 +11,19 @@ from dataclasses import asdict
 from rich.console import Console
 
 from epikv_cli.cli.ui import calibration_table, status_line, wide_console
-from epikv_cli.errors import EXIT_INTERRUPTED, writing
-from epikv_cli.experiments.calibrate import BandsMeasured, WindowSamples, bands_so_far, calibrate_bands
+from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, WriteError, writing
+from epikv_cli.experiments.calibrate import BandsMeasured, WindowSamples, bands_so_far, calibrate_bands, save_bands
 from epikv_cli.models.loading import load
 
 
 def calibrate_command(model_settings, problems, new_tokens: int, json_output: bool = False, quiet: bool = False) -> int:
     """``epikv calibrate``: measure, print the per-layer table, save the bands; return the exit status."""
 
+    if model_settings.model is not None and model_settings.model.endswith(".json"):
+        raise UsageError(
+            "calibrate measures a model's trained weights; a config.json builds random ones, for which generate reads "
+            "no saved bands: give the model's directory"
+        )
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     loaded = load(model_settings, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))
     started = time.perf_counter()
@@ -34,6 +39,11 @@ def calibrate_command(model_settings, problems, new_tokens: int, json_output: bo
         said = "; these bands were not saved" if partial is not None else "; no prompt finished, nothing was saved"
         print(f"epikv: interrupted {finished}{said}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    try:
+        save_bands(measured)
+    except WriteError:  # what was measured is shown all the same, then the one line that says why it was not saved
+        show(measured, json_output, time.perf_counter() - started)
+        raise
     show(measured, json_output, time.perf_counter() - started)
     if not json_output:
         bands = ",".join(f"{layer}:{sign:+.0f}" for layer, sign in measured.calibration.bands)
@@ -60,7 +70,7 @@ def show(measured: BandsMeasured, json_output: bool, seconds: float) -> None:
                     calibration.bands,
                     f"{calibration.model}: Spearman ρ of each layer's smoothed change with window importance "
                     f"({calibration.windows} windows)",
-                    calibration.path or "nowhere (interrupted)",
+                    calibration.path or "nowhere (not saved)",
                 )
             )
     if note:

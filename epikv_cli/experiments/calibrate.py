@@ -177,8 +177,8 @@ def choose_bands(rho: list[float]) -> tuple[list[tuple[int, float]], str | None]
 
 @dataclass
 class BandsMeasured:
-    """What :func:`calibrate_bands` found: the saved calibration (``path`` set), every layer's ρ unrounded, and
-    :func:`choose_bands`'s note."""
+    """What :func:`calibrate_bands` found: the calibration (``path`` set once saved), every layer's ρ unrounded,
+    and :func:`choose_bands`'s note."""
 
     calibration: Calibration
     rho: list[float]
@@ -188,13 +188,17 @@ class BandsMeasured:
 def calibrate_bands(
     loaded, problems: list[Problem], new_tokens: int, advance=lambda text: None, samples: WindowSamples | None = None
 ) -> BandsMeasured:
-    """Measure the loaded model's bands on ``problems`` and save them. ``advance(text)`` says which step is under
-    way; ``samples`` gathers the windows as they come (see :func:`bands_so_far`)."""
+    """Measure the loaded model's bands on ``problems`` (:func:`save_bands` keeps them). ``advance(text)`` says which
+    step is under way; ``samples`` gathers the windows as they come (see :func:`bands_so_far`)."""
     prompts_ids = [protocol_ids(loaded.tokenizer, problem) for problem in problems]
     rho, windows = calibrate(loaded.model, prompts_ids, new_tokens, advance, samples)
-    measured = bands_from(loaded, rho, windows, len(problems), new_tokens)
+    return bands_from(loaded, rho, windows, len(problems), new_tokens)
+
+
+def save_bands(measured: BandsMeasured) -> None:
+    """Save ``measured``'s calibration for its model (``path`` set); :class:`~epikv_cli.errors.WriteError` when the
+    cache cannot hold it."""
     measured.calibration.path = str(save_calibration(measured.calibration, measured.calibration.model))
-    return measured
 
 
 def bands_so_far(loaded, samples: WindowSamples, new_tokens: int) -> BandsMeasured | None:

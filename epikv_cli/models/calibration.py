@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import warnings
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -55,7 +56,8 @@ def save_calibration(calibration: Calibration, model_key: str) -> Path:
             temporary.write_text(json.dumps(data, indent=1))
             os.replace(temporary, path)
     except WriteError:
-        temporary.unlink(missing_ok=True)
+        with suppress(OSError):  # nothing to remove where the folder could not be made
+            temporary.unlink()
         raise
     return path
 
