@@ -545,3 +545,45 @@ def test_ctrl_c_before_any_run_says_so(tiny_model_dir, monkeypatch):
     result = invoke("--model", str(tiny_model_dir), "--policies", "full", "--new-tokens", "8", "-q")
     assert result.exit_code == 130 and result.stdout == ""
     assert result.stderr.strip() == "epikv: interrupted before any measured run finished; nothing to report"
+
+
+class FakeProbes:
+    """A :class:`ProbeWorker` stand-in: what each set-up asked for, and prompts up to 1024 tokens fit."""
+
+    setups: list[dict] = []
+
+    def __init__(self, setup: dict, reuse: bool = False) -> None:
+        self.setups.append(setup)
+        self.attn, self.max_positions = "sdpa", 4096
+
+    def start(self) -> None:
+        pass
+
+    def probe(self, length: int) -> ProbeResult:
+        return ProbeResult(length, length <= 1024, 100 * length)
+
+    def close(self) -> None:
+        pass
+
+
+def test_max_context_runs_each_policys_options_under_its_own_name(monkeypatch):
+    """Two specs of one policy are two set-ups: each probe worker gets its options, each result its spec."""
+    FakeProbes.setups = []
+    monkeypatch.setattr(maxcontext_module, "ProbeWorker", FakeProbes)
+    args = ["--max-context", "--memory-limit", "600MiB", "--json", "-q", "--model", "m"]
+    result = invoke(*args, "--policies", "epikv2:period=4,epikv2:period=8")
+    assert result.exit_code == 0, result.stderr
+    assert [setup["options"] for setup in FakeProbes.setups] == [[["period", "4"]], [["period", "8"]]]
+    rows = json.loads(result.stdout)["results"]
+    assert [(row["policy"], row["max_prompt_tokens"]) for row in rows] == [
+        ("epikv2:period=4", 1024),
+        ("epikv2:period=8", 1024),
+    ]
+
+
+def test_max_context_refuses_an_unknown_option_before_any_probe(monkeypatch):
+    FakeProbes.setups = []
+    monkeypatch.setattr(maxcontext_module, "ProbeWorker", FakeProbes)
+    result = invoke("--max-context", "--memory-limit", "600MiB", "-q", "--model", "m", "--policies", "epikv2:bogus=4")
+    one_line_error(result, "bogus")
+    assert FakeProbes.setups == []

@@ -33,7 +33,7 @@ from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.experiments.profile import attention_kernel, prompt_ids
 from epikv_cli.models.loading import load, runs_on_cuda
-from epikv_cli.policies.registry import POLICIES, evicts
+from epikv_cli.policies.registry import POLICIES, check_settings, evicts, make_policy
 from epikv_cli.runtime.generation import Generation
 from epikv_cli.runtime.stream import input_device
 
@@ -258,7 +258,11 @@ def _worker(reply_fd: int) -> None:  # pragma: no cover - runs in the child proc
         for line in sys.stdin:
             length = json.loads(line)["length"]
             ids = prompt_ids(loaded.tokenizer, length)
-            cache = CacheSettings(budget=2 * length + 256 if evicts(setup["policy"]) else None, policy=setup["policy"])
+            cache = CacheSettings(
+                budget=2 * length + 256 if evicts(setup["policy"]) else None,
+                policy=setup["policy"],
+                options=tuple((key, value) for key, value in setup["options"]),
+            )
             result = _prefill(loaded, ids, cache, setup["kernel"], setup["limit"])
             if cuda:
                 torch.cuda.empty_cache()
@@ -285,10 +289,19 @@ def run_max_context(model_settings, runs, limit: int, progress=lambda text: None
             f"--memory-limit {limit / 2**30:.1f} GiB is more than this machine has available now "
             f"({available / 2**30:.1f} GiB); give a smaller limit"
         )
+    for run in runs:  # a policy's options checked before any worker starts
+        make_policy(
+            check_settings(
+                CacheSettings(
+                    budget=START_TOKENS if evicts(run.policy) else None, policy=run.policy, options=run.options
+                )
+            )
+        )
     results = []
     for run in runs:
         kernel = default_kernel(run.policy, run.kernel)
         setup = {"model": asdict(model_settings), "policy": run.policy, "kernel": kernel, "limit": limit}
+        setup["options"] = [list(pair) for pair in run.options]
         worker = ProbeWorker(setup, reuse=cuda)
 
         def probe(length: int, worker=worker, run=run) -> ProbeResult:
@@ -303,7 +316,14 @@ def run_max_context(model_settings, runs, limit: int, progress=lambda text: None
             worker.close()
         peak = max((p.peak_memory_bytes for p in probes if p.ok and p.length == length), default=0)
         results.append(
-            MaxContext(run.policy, kernel or worker.attn, length, peak, length >= ceiling, [asdict(p) for p in probes])
+            MaxContext(
+                run.spec or run.policy,
+                kernel or worker.attn,
+                length,
+                peak,
+                length >= ceiling,
+                [asdict(p) for p in probes],
+            )
         )
     return results
 
