@@ -586,3 +586,14 @@ def test_a_failing_batched_step_falls_back_to_one_prompt_at_a_time(tiny_model_di
     result = run(tiny_model_dir, prompts, out, "--batch-size", "3")
     assert result.exit_code == 0, result.stderr  # every prompt finished, one by one after the failure
     assert [r["error"] for r in records(out)] == [None, None, None]
+
+
+def test_sort_by_line_orders_within_a_line_by_then(tmp_path):
+    """Two ranks append a problem's records in either order: rank 0 puts them back by line, then by ``then``."""
+    from epikv_cli.data.jsonl import sort_by_line, write_records
+
+    path = tmp_path / "out.jsonl"
+    written = [{"id": 2, "line": 2, "c": 1}, {"id": 1, "line": 1, "c": 2}, {"id": 1, "line": 1, "c": 0}]
+    write_records(path, [*written, {"id": 2, "line": 2, "c": 0}])
+    sort_by_line(path, lambda record: record["c"])
+    assert [(r["line"], r["c"]) for r in records(path)] == [(1, 0), (1, 2), (2, 0), (2, 1)]

@@ -178,9 +178,9 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
         "--dataset",
         str(data),
         "--policies",
-        "full",
+        "full,streaming",
         "--budgets",
-        "64",
+        "64,+16",
         "-n",
         "8",
         "-o",
@@ -197,10 +197,13 @@ def test_eval_splits_across_two_ranks(tiny_model_dir, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = read(out)
-    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and {r["rank"] for r in rows} == {0, 1}
-    assert [r["correct"] for r in rows] == [True, True, True, False, True]
+    # in input order, as one process writes it: by problem, then by config (the ranks' lines interleave within one)
+    configs = [("full", "none"), ("streaming", "64"), ("streaming", "+16")]
+    assert [(r["line"], r["policy"], r["budget"]) for r in rows] == [(i, *c) for i in range(1, 6) for c in configs]
+    assert {r["rank"] for r in rows} == {0, 1}
+    assert [r["correct"] for r in rows[::3]] == [True, True, True, False, True]
     summary = json.loads(done.stdout.strip().splitlines()[-1])  # printed once, by rank 0
-    assert summary["results"][0]["correct"] == 4 and summary["results"][0]["problems"] == 5
+    assert [(row["correct"], row["problems"]) for row in summary["results"]] == [(4, 5)] * 3
 
 
 @pytest.mark.long

@@ -87,8 +87,9 @@ def run_eval(
         return records, EXIT_INTERRUPTED
     if ranks.world > 1 and files.output is not None:
         records = read_results(files.output)  # every rank's lines
-        if ranks.is_main:
-            sort_by_line(files.output)
+        if ranks.is_main:  # input order: by problem, then by config as one process writes them
+            order = {(config.policy, config.budget.text): index for index, config in enumerate(configs)}
+            sort_by_line(files.output, lambda record: order.get((record.get("policy"), record.get("budget")), -1))
     ranks.close()
     return records, 0
 

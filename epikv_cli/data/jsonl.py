@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import sys
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -118,10 +119,16 @@ class JsonlWriter:
             self.fd = None
 
 
-def sort_by_line(path: Path) -> None:
-    """Rewrite ``path`` in input-line order (atomically); a file already in order is left as it is."""
+def sort_by_line(path: Path, then: Callable[[dict], int] = lambda record: 0) -> None:
+    """Rewrite ``path`` in input-line order, and by ``then`` within a line (atomically); a file already in order is
+    left as it is."""
     records = read_results(path)
-    ordered = sorted(records, key=lambda record: record.get("line", 0) if isinstance(record.get("line"), int) else 0)
+
+    def place(record: dict) -> tuple[int, int]:
+        line = record.get("line", 0)
+        return (line if isinstance(line, int) else 0, then(record))
+
+    ordered = sorted(records, key=place)
     if ordered != records:
         write_records(path, ordered)
 
