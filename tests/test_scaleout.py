@@ -261,3 +261,19 @@ def test_two_nodes_on_localhost(tiny_model_dir, tmp_path):
     assert codes == [0, 0], [node.stderr.read()[-1500:] for node in nodes]
     rows = read(out)
     assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and {r["rank"] for r in rows} == {0, 1}
+
+
+def test_world_size_without_a_launcher_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """WORLD_SIZE left over in a shell (no torchrun): accelerate's ValueError was a traceback."""
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\n")
+    args = ["generate", "--model", str(tiny_model_dir), "-n", "4", "--prompts", str(prompts), "-o", str(tmp_path / "o")]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 2
+    assert done.stderr.strip().splitlines() == [
+        "epikv: error: WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT are not set: start the processes with "
+        "torchrun or accelerate launch, or unset WORLD_SIZE"
+    ]

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from epikv_cli.errors import UsageError
+
 #: How long a rank waits at a synchronisation point for the others: the last rank to finish may
 #: still be generating a long answer (the default of torch.distributed, 30 minutes, is too short).
 SYNC_TIMEOUT = timedelta(hours=24)
@@ -41,6 +43,13 @@ class Ranks:
         """Join the process group when a launcher set ``WORLD_SIZE > 1``; otherwise a single rank."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return cls()
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:  # WORLD_SIZE set by hand, or left over from another job: no launcher started this process
+            verb = "is" if len(missing) == 1 else "are"
+            raise UsageError(
+                f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} {verb} not set: start the "
+                "processes with torchrun or accelerate launch, or unset WORLD_SIZE"
+            )
         from accelerate import PartialState  # noqa: PLC0415 (accelerate: its distributed state only for multi-process runs)
 
         state = PartialState(cpu=not torch.cuda.is_available(), timeout=SYNC_TIMEOUT)
