@@ -251,6 +251,11 @@ def test_the_prompt_comes_from_the_prompt_file_repeated_to_length(tiny_model_dir
     ids = tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"]
     assert prompts == [(ids * 3)[:45]] * 2  # warm-up and measured run
     one_line_error(invoke("--model", str(tiny_model_dir), "--prompt-file", str(tmp_path / "none.txt")), "--prompt-file")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n")  # newlines would tokenize into a prompt of nothing a user runs
+    one_line_error(
+        invoke("--model", str(tiny_model_dir), "--prompt-file", str(blank)), f"--prompt-file {blank} holds no text"
+    )
 
 
 def test_table_output(tiny_model_dir):

@@ -169,8 +169,8 @@ def prompt_ids(tokenizer, tokens: int, prompt_file: Path | None = None) -> torch
             raise UsageError(f"cannot read --prompt-file {prompt_file}: {error}") from None
     else:
         text = resources.files("epikv_cli").joinpath("data/passage.txt").read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
+    if not ids:  # nothing, or blank lines only: a prompt of newlines measures nothing a user runs
         raise UsageError(f"--prompt-file {prompt_file} holds no text")
     repeated = (ids * (tokens // len(ids) + 1))[:tokens]
     return torch.tensor([repeated])
