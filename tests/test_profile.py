@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM, LlamaConfig
 from typer.testing import CliRunner
 
@@ -592,3 +593,22 @@ def test_max_context_refuses_an_unknown_option_before_any_probe(monkeypatch):
     result = invoke("--max-context", "--memory-limit", "600MiB", "-q", "--model", "m", "--policies", "epikv2:bogus=4")
     one_line_error(result, "bogus")
     assert FakeProbes.setups == []
+
+
+def test_a_ratio_to_a_zero_figure_is_null_in_json_and_a_dash_in_the_table():
+    """The reference's decode peak read 0 (no figure on this device): its ratio is null, valid JSON, not NaN."""
+    from epikv_cli.cli.ui import profile_table
+    from epikv_cli.experiments.profile import PolicyReport, RunMeasure
+
+    def report(label: str, speed: float, kv: int) -> PolicyReport:
+        return PolicyReport.from_runs(label, [RunMeasure(0.5, speed, 1.0, 10, 0, kv, 64, "rss")])
+
+    first, second = report("full", 10.0, 0), report("streaming", 12.0, 4096)
+    second.relative_to(first)
+    assert (second.ratio_decode_tokens_per_s, second.ratio_kv_cache_bytes) == (1.2, None)
+    assert second.ratio_decode_peak_memory_bytes is None
+    assert json.loads(json.dumps(second.to_dict(), allow_nan=False))["ratio_kv_cache_bytes"] is None
+    out = Console(width=200, record=True)
+    out.print(profile_table([first, second], "t"))
+    row = next(line for line in out.export_text().splitlines() if "streaming" in line)
+    assert "1.20" in row and "–" in row

@@ -310,6 +310,11 @@ def _mib(value: int) -> str:
     return f"{value / 2**20:,.0f}"
 
 
+def _ratio(value: float | None) -> str:
+    """A ratio to the reference policy, or a dash where the reference's figure was 0."""
+    return "–" if value is None else f"{value:.2f}"
+
+
 def profile_table(reports, title: str, compact: bool = False) -> Table:
     """The ``epikv profile`` results: medians, the decode spread, and ratios (×) to the first policy.
 
@@ -321,11 +326,11 @@ def profile_table(reports, title: str, compact: bool = False) -> Table:
         "prefill s": lambda r: f"{r.prefill_seconds:.3f}",
         "tok/s": lambda r: f"{r.decode_tokens_per_s:.2f}",
         "min–max": lambda r: f"{r.decode_tokens_per_s_min:.1f}–{r.decode_tokens_per_s_max:.1f}",
-        "×": lambda r: f"{r.ratio_decode_tokens_per_s:.2f}",
+        "×": lambda r: _ratio(r.ratio_decode_tokens_per_s),
         "flat": lambda r: f"{r.flatness:.2f}",
         "peak MiB": lambda r: f"{_mib(r.prefill_peak_memory_bytes)}/{_mib(r.decode_peak_memory_bytes)}",
         "KV MiB": lambda r: f"{r.kv_cache_bytes / 2**20:,.1f}",
-        "KV ×": lambda r: f"{r.ratio_kv_cache_bytes:.2f}",
+        "KV ×": lambda r: _ratio(r.ratio_kv_cache_bytes),
         "stored": lambda r: str(r.peak_stored),
     }
     if compact:

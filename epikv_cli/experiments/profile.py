@@ -295,10 +295,11 @@ class PolicyReport:
     kv_cache_bytes: int
     peak_stored: int
     peak_memory_kind: str
-    ratio_decode_tokens_per_s: float = 1.0
-    ratio_prefill_seconds: float = 1.0
-    ratio_kv_cache_bytes: float = 1.0
-    ratio_decode_peak_memory_bytes: float = 1.0
+    #: to the first policy's; None where the first's figure is 0 (JSON has no NaN)
+    ratio_decode_tokens_per_s: float | None = 1.0
+    ratio_prefill_seconds: float | None = 1.0
+    ratio_kv_cache_bytes: float | None = 1.0
+    ratio_decode_peak_memory_bytes: float | None = 1.0
     #: how many measured runs the medians are over (fewer than --repeats after Ctrl-C)
     runs: int = 0
 
@@ -321,8 +322,8 @@ class PolicyReport:
         )
 
     def relative_to(self, first: PolicyReport) -> None:
-        def ratio(mine: float, theirs: float) -> float:
-            return round(mine / theirs, 4) if theirs else float("nan")
+        def ratio(mine: float, theirs: float) -> float | None:
+            return round(mine / theirs, 4) if theirs else None
 
         self.ratio_decode_tokens_per_s = ratio(self.decode_tokens_per_s, first.decode_tokens_per_s)
         self.ratio_prefill_seconds = ratio(self.prefill_seconds, first.prefill_seconds)
