@@ -612,3 +612,21 @@ def test_a_ratio_to_a_zero_figure_is_null_in_json_and_a_dash_in_the_table():
     out.print(profile_table([first, second], "t"))
     row = next(line for line in out.export_text().splitlines() if "streaming" in line)
     assert "1.20" in row and "–" in row
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--budget", "256"],
+        ["--prompt-tokens", "64"],
+        ["--new-tokens", "16"],
+        ["--repeats", "0"],
+        ["--prompt-file", "x"],
+    ],
+)
+def test_max_context_refuses_the_options_it_would_ignore(given, monkeypatch):
+    FakeProbes.setups = []
+    monkeypatch.setattr(maxcontext_module, "ProbeWorker", FakeProbes)
+    result = invoke("--max-context", "--memory-limit", "600MiB", "-q", "--model", "m", *given)
+    one_line_error(result, f"{given[0]} goes without --max-context")
+    assert FakeProbes.setups == []

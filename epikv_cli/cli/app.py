@@ -822,6 +822,7 @@ def _check_vllm_run(model_settings: ModelSettings, cache: CacheSettings, panel: 
 
 @app.command(cls=EpikvCommand, epilog="Examples:\n\n" + "\n\n".join(f"  {command}" for command, _ in PROFILE_EXAMPLES))
 def profile(
+    ctx: typer.Context,
     model: ModelOption = None,
     engine: EngineOption = EngineName.transformers,
     shape: ShapeOption = None,
@@ -915,7 +916,17 @@ def profile(
         raise UsageError("--max-context searches with the transformers engine; drop --engine vllm")
     if max_context and batch_size != 1:
         raise UsageError("--batch-size goes without --max-context (the search prefills one prompt at a time)")
-    if max_context:
+    if max_context:  # the search sets its own prompt lengths and budgets: options it would ignore are refused
+        for name, flag in (
+            ("budget", "--budget"),
+            ("prompt_tokens", "--prompt-tokens"),
+            ("new_tokens", "--new-tokens"),
+            ("repeats", "--repeats"),
+            ("prompt_file", "--prompt-file"),
+        ):
+            source = ctx.get_parameter_source(name)
+            if source is not None and source.name != "DEFAULT":  # given on the command line (or by the environment)
+                raise UsageError(f"{flag} goes without --max-context (the search chooses the prompt lengths)")
         return max_context_command(model_settings, runs, memory_limit, json_output=json_output, quiet=quiet)
     if memory_limit is not None:
         raise UsageError("--memory-limit goes with --max-context")
