@@ -93,7 +93,7 @@ class ProbeWorker:
     """A child process that loads the model and prefills prompts of the lengths it is sent.
 
     Args:
-        setup: what the child loads (model settings, policy, kernel, limit).
+        setup: what the child loads (model settings, policy and its options, kernel, limit).
         reuse: keep the process for the next probe after a success (CUDA); else each probe starts one.
     """
 
@@ -261,7 +261,7 @@ def _worker(reply_fd: int) -> None:  # pragma: no cover - runs in the child proc
             cache = CacheSettings(
                 budget=2 * length + 256 if evicts(setup["policy"]) else None,
                 policy=setup["policy"],
-                options=tuple((key, value) for key, value in setup["options"]),
+                options=tuple((key, value) for key, value in setup.get("options", ())),
             )
             result = _prefill(loaded, ids, cache, setup["kernel"], setup["limit"])
             if cuda:
