@@ -32,11 +32,12 @@ class RingRenderer(HfRenderer):
         super().__init__(config, tokenizer)
         extra = config.additional_config or {}
         self.cache = settings_from_config(extra) if CONFIG_KEY in extra else None
+        self.policy = make_policy(self.cache) if self.cache is not None else None  # its budget floor, read per prompt
 
     def validate_token_ids(self, token_ids: Sequence[int], *, parameter: str | None = None) -> None:
         if parameter is None and self.cache is not None and token_ids:  # a prompt's ids
             try:
-                check_prompt(make_policy(self.cache), self.cache, len(token_ids))
+                check_prompt(self.policy, self.cache, len(token_ids))
             except UsageError as error:
                 raise VLLMValidationError(str(error)) from None
         super().validate_token_ids(token_ids, parameter=parameter)
