@@ -19,7 +19,6 @@ from epikv_cli.experiments.profile import (
     run_profile,
 )
 from epikv_cli.models.loading import load
-from epikv_cli.policies.registry import POLICIES, make_policy
 
 
 class VllmEngines:
@@ -55,10 +54,8 @@ def check_rings(settings: ProfileSettings) -> None:
     """On ``--engine vllm``: the prompt must fit each evicting run's ring (the whole prompt is one forward into it)."""
     from epikv_cli.vllm.ring import check_prompt  # noqa: PLC0415 (the vLLM engine's: only for it)
 
-    for run in settings.runs:
-        if POLICIES[run.policy].evicts:
-            cache = settings.cache_for(run)
-            check_prompt(make_policy(cache), cache, settings.prompt_tokens)
+    for cache, policy in settings.evicting():
+        check_prompt(policy, cache, settings.prompt_tokens)
 
 
 def profile_command(

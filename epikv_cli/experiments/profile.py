@@ -12,6 +12,7 @@ import gc
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -23,6 +24,7 @@ from epikv_cli.config import ATTN_CHOICES, MAX_TOKENS, CacheSettings, SamplingSe
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.memory import peak_memory, reset_peak
 from epikv_cli.errors import UsageError
+from epikv_cli.policies.base import Policy
 from epikv_cli.policies.registry import (
     POLICIES,
     check_settings,
@@ -128,11 +130,17 @@ class ProfileSettings:
                 f"{max(1, limit - self.new_tokens)} or fewer"
             )
 
-    def check_budgets(self) -> None:
-        """Every policy must accept this budget for this prompt, before anything runs."""
+    def evicting(self) -> Iterator[tuple[CacheSettings, Policy]]:
+        """Each evicting run's cache settings and a policy made from them (for checks before anything runs)."""
         for run in self.runs:
             if POLICIES[run.policy].evicts:
-                make_policy(self.cache_for(run)).check_budget(self.prompt_tokens, self.budget)
+                cache = self.cache_for(run)
+                yield cache, make_policy(cache)
+
+    def check_budgets(self) -> None:
+        """Every policy must accept this budget for this prompt, before anything runs."""
+        for _, policy in self.evicting():
+            policy.check_budget(self.prompt_tokens, self.budget)
 
 
 def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
