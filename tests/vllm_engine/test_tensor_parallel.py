@@ -44,11 +44,16 @@ TWO_RANKS = POLICIES[:2]
 COMPILED = ("epikv2", "epikv")
 
 
-def start(model: str, tp: int, policies: tuple[str, ...], compiled: bool = False) -> subprocess.Popen:
+#: Request pages of the one-rank run: vLLM's null block and 2 requests' rings, so that the third prompt waits.
+PAGES = 3
+
+
+def start(model: str, tp: int, policies: tuple[str, ...], mode: str | None = None) -> subprocess.Popen:
     """Each policy's greedy tokens for :data:`PROMPTS` on ``tp`` ranks, in a process of its own (started together:
-    the tiny model's compute is nothing beside vLLM's start-up, so the runs overlap)."""
+    the tiny model's compute is nothing beside vLLM's start-up, so the runs overlap). ``mode``: ``compile``, or
+    ``pages=N`` (KV memory for N request pages)."""
     command = [sys.executable, str(Path(__file__).with_name("tp_run.py")), model, ",".join(policies), str(BUDGET)]
-    command += [str(tp), str(NEW), json.dumps(PROMPTS)] + (["compile"] if compiled else [])
+    command += [str(tp), str(NEW), json.dumps(PROMPTS)] + ([mode] if mode else [])
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -60,11 +65,12 @@ def result_of(process: subprocess.Popen) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_llama) -> dict[str, dict]:
-    """One rank eager, two ranks eager, one rank compiled: each run's result per policy."""
+    """One rank eager (with KV memory for fewer requests than prompts), two ranks eager, one rank compiled: each
+    run's result per policy."""
     processes = {
         "two": start(tiny_llama, 2, TWO_RANKS),
-        "compiled": start(tiny_llama, 1, COMPILED, compiled=True),
-        "one": start(tiny_llama, 1, POLICIES),
+        "compiled": start(tiny_llama, 1, COMPILED, "compile"),
+        "one": start(tiny_llama, 1, POLICIES, f"pages={PAGES}"),
     }
     return {name: result_of(process) for name, process in processes.items()}
 
@@ -78,6 +84,19 @@ def test_two_ranks_give_the_tokens_of_one(runs):
     assert {policy: two[policy]["tokens"] for policy in TWO_RANKS} == {
         policy: one[policy]["tokens"] for policy in TWO_RANKS
     }
+
+
+def test_a_request_waiting_for_memory_gives_the_tokens_of_one_run_at_once(runs):
+    """KV memory for two requests' rings (the one-rank run): the third prompt waits until one finishes and is then
+    admitted, not preempted or squeezed (a ring request never asks for a second page); every prompt's tokens are
+    those of the two-rank and compiled runs, which had memory for all three at once."""
+    one, two, compiled = runs["one"], runs["two"], runs["compiled"]
+    assert {one[policy]["blocks"] for policy in POLICIES} == {PAGES}
+    assert min(
+        run[policy]["blocks"] for run, names in ((two, TWO_RANKS), (compiled, COMPILED)) for policy in names
+    ) > len(PROMPTS)
+    assert [two[policy]["tokens"] for policy in TWO_RANKS] == [one[policy]["tokens"] for policy in TWO_RANKS]
+    assert [compiled[policy]["tokens"] for policy in COMPILED] == [one[policy]["tokens"] for policy in COMPILED]
 
 
 def test_a_compiled_engine_gives_the_tokens_and_evictions_of_an_eager_one(runs):

@@ -1,10 +1,12 @@
 """One vLLM engine run for the tensor-parallel and compiled tests (its own process: vLLM starts a worker process per
 rank, and a compiled model stays compiled in its process).
 
-python tp_run.py MODEL_DIR POLICIES BUDGET TP NEW PROMPTS_JSON [compile] > result.json
+python tp_run.py MODEL_DIR POLICIES BUDGET TP NEW PROMPTS_JSON [compile | pages=N] > result.json
 
+``pages=N``: KV memory for N request pages (vLLM's null block among them), so that the other requests wait for one.
 The last line of stdout: per policy its greedy ``tokens`` per prompt; on one rank, each request's evicted positions
-step by step (``trace``) and its count of evicted entries (``evicted``); and ``mode``, vLLM's compilation mode.
+step by step (``trace``) and its count of evicted entries (``evicted``); ``mode``, vLLM's compilation mode; and
+``blocks``, the request pages vLLM made.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main() -> None:
     model, policies, budget, tp, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     prompts = json.loads(sys.argv[6])
     compiled = sys.argv[7:] == ["compile"]
+    pages = int(sys.argv[7].removeprefix("pages=")) if sys.argv[7:8] and sys.argv[7].startswith("pages=") else None
     if tp == 1:  # the engine runs in this process, on torch's threads (one per core unless told): one, beside TP 2's
         import torch
 
@@ -30,17 +33,19 @@ def main() -> None:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
         )
-    result = {policy: run(model, policy, budget, tp, new, prompts, compiled) for policy in policies.split(",")}
+    result = {policy: run(model, policy, budget, tp, new, prompts, compiled, pages) for policy in policies.split(",")}
     print(json.dumps(result), flush=True)
 
 
-def run(model: str, policy: str, budget: int, tp: int, new: int, prompts: list[list[int]], compiled: bool) -> dict:
+def run(
+    model: str, policy: str, budget: int, tp: int, new: int, prompts: list[list[int]], compiled: bool, pages: int | None
+) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from epikv_cli.config import CacheSettings
     from epikv_cli.policies.registry import parse_policy_spec
-    from epikv_cli.vllm.engine import VllmSettings, engine_arguments, ring_of
+    from epikv_cli.vllm.engine import VllmSettings, engine_arguments, request_bytes, ring_of
 
     name, options = parse_policy_spec(policy)
     cache = CacheSettings(budget=budget, policy=name, options=options)
@@ -48,7 +53,7 @@ def run(model: str, policy: str, budget: int, tp: int, new: int, prompts: list[l
         model,
         dtype="float32",
         max_model_len=512,
-        kv_cache_bytes=64 << 20,
+        kv_cache_bytes=64 << 20 if pages is None else int(request_bytes(model, cache, 512, "float32") * (pages + 0.5)),
         tensor_parallel=tp,
         trace=tp == 1,
         eager=not compiled,
@@ -63,6 +68,7 @@ def run(model: str, policy: str, budget: int, tp: int, new: int, prompts: list[l
         "trace": [request.trace for request in ring_of(llm).admitted] if tp == 1 else None,
         "evicted": [request.evicted_total for request in ring_of(llm).admitted] if tp == 1 else None,
         "mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
+        "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
     llm.llm_engine.engine_core.shutdown()
     return result
