@@ -16,28 +16,27 @@ own; the next token is written into each head's victim slot, so nothing moves). 
 steps: one ``[queries x K]`` product per layer (amortised, ``queries / period`` of an attention row per
 step: one row by default), all layers' softmaxes and sums at once.
 
-Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1,
-else tokens), ``period``, ``queries`` (how many of the newest queries a refresh reads, at most and by
-default ``period``: fewer shrink the product, and rank the tokens less well), ``decay`` (per refresh, 1
-keeps every contribution), ``prompt`` (``score`` or ``keep``), and, for ablations, ``signal``:
-``attention`` (the default), ``epiphany`` (the published EpiKV score under these keep rules) or
-``none`` (recency alone); ``credit``: how refreshes add up, ``sum`` (the default), ``mean`` (per
-refresh the token was scored in, so that long-kept tokens are not favoured for their age) or ``max`` (the
-largest single refresh); ``values=1`` weighs each attention weight by the L2 norm of the value it reads
-(what the token adds to the output);
-``pool=7`` gives each token the largest score within 3 positions of it (neighbours of an attended
-token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head of each
-evicting layer keeps its own set, scored by its own attention and chosen on the device, see
-:mod:`epikv_cli.keepsets`), ``layer`` (one set per layer) or ``global`` (one set for every layer, on the
-host; ``signal=epiphany``, ``credit`` and ``pool`` need it); ``adapt=1`` (``layer``/``head`` only) lets
-each layer move its recent window within [K/2, K - sinks]; ``copy=S`` (``layer``/``head`` only) stretches the
-recent window of a KV head that is copying a passage older than its window (for at least the share S of its
-recent queries, each query's most-weighted key beyond the window is the one after the previous query's)
-back to that passage until the next refresh, so that the rest of the passage stays (default 0.3 where
-allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count, default 0.05;
-``copymargin``: how many tokens before the key it reads now the window reaches, default 16; ``loop=G``: a head
-that copies from G or more tokens back inside its window, a loop, keeps the period before too: its window
-reaches back twice as far as the key it reads, default 32, ``loop=0`` follows only copies from beyond the window).
+Options (``--policies epikv2:period=32:decay=0.9``): ``sinks``, ``recent`` (a share of K below 1, else tokens),
+``period``, ``queries`` (how many of the newest queries a refresh reads, at most and by default ``period``: fewer
+shrink the product, and rank the tokens less well), ``decay`` (per refresh, 1 keeps every contribution), ``prompt``
+(``score`` or ``keep``), and, for ablations, ``signal``: ``attention`` (the default), ``epiphany`` (the published
+EpiKV score under these keep rules) or ``none`` (recency alone); ``credit``: how refreshes add up, ``sum`` (the
+default), ``mean`` (per refresh the token was scored in, so that long-kept tokens are not favoured for their age) or
+``max`` (the largest single refresh); ``values=1`` weighs each attention weight by the L2 norm of the value it reads
+(what the token adds to the output); ``pool=7`` gives each token the largest score within 3 positions of it
+(neighbours of an attended token stay with it, as in SnapKV and R-KV); ``keep``: ``head`` (the default: each KV head
+of each evicting layer keeps its own set, scored by its own attention and chosen on the device, see
+:mod:`epikv_cli.keepsets`), ``layer`` (one set per layer) or ``global`` (one set for every layer, on the host;
+``signal=epiphany``, ``credit`` and ``pool`` need it); ``adapt=1`` (``layer``/``head`` only) lets each layer move
+its recent window within [K/2, K - sinks] (K - prompt with ``prompt=keep``); ``copy=S`` (``layer``/``head`` only;
+``layer``: the layer's widest) stretches the recent window of a KV head that is copying a passage older than its
+window (for at least the share S of its recent queries, each query's most-weighted key beyond the window is the one
+after the previous query's) back to that passage until the next refresh, so that the rest of the passage stays
+(default 0.3 where allowed, ``copy=0`` turns it off; ``copyweight``: the least weight such a key must get to count,
+default 0.05; ``copymargin``: how many tokens before the key it reads now the window reaches, default 16;
+``loop=G``: a head that copies from G or more tokens back inside its window, a loop, keeps the period before too:
+its window reaches back twice as far as the key it reads, default 32, ``loop=0`` follows only copies from beyond the
+window).
 """
 
 from __future__ import annotations
@@ -592,7 +591,7 @@ class EpiKV2(Policy):
                 # the list holds the lowest candidates, so its first pick is the full search's victim
                 victims, known = self._shortlist.pick(seen)
                 # it lists the tokens that leave the recent window within `period` steps, if they exist yet
-                shortest_window = self._budget // 2 if self.adapt else self.recent
+                shortest_window = self._adapt_range(floor)[0] if self.adapt else self.recent
                 self._shortlist_until = seen + min(self.period, shortest_window)
             else:
                 victims = slots.lowest(scores[:, :, :stored], candidates, stored, over)
@@ -617,7 +616,7 @@ class EpiKV2(Policy):
         """
         near = (sources[1], weights[1]) if sources.dim() == 5 else None
         far = (sources[0], weights[0]) if near is not None else (sources, weights)
-        self._window = copy_windows(
+        window = copy_windows(
             *far,
             seen - 1,
             self.copy,
@@ -627,12 +626,15 @@ class EpiKV2(Policy):
             self.copy_margin,
             near,
         )[..., None]
+        if self.keep == "layer":  # one set per layer: a copying head stretches its whole layer's window
+            window = window.amax(dim=1, keepdim=True).expand_as(window)
+        self._window = window
 
     def _adapt_recent(self, received: torch.Tensor, positions: torch.Tensor, floor: int, seen: int) -> None:
         """adapt=1: move each layer's recent window by K/16 towards whichever use of its heavy slots this
         refresh's queries attended more: the h heavy hitters it holds, or the h oldest tokens of its recent
-        window (standing for the h more recent tokens that streaming would hold instead). Bounded by half
-        of K and K minus the sinks; computed on the device.
+        window (standing for the h more recent tokens that streaming would hold instead). Bounded by
+        :meth:`_adapt_range`; computed on the device.
 
         Args:
             received: ``[layers, kv_heads, n]`` this refresh's attention; positions: ``[layers, kv_heads, n]``.
@@ -647,8 +649,14 @@ class EpiKV2(Policy):
         direction = torch.sign((lead * voting).sum(dim=-1)) * (votes > 0)  # [layers]: +1 grow, -1 shrink, 0 no vote
         direction = torch.where((direction == 0) & (votes > 0), -1, direction)  # a tie favours the heavy hitters
         step = max(1, self._budget // 16)
-        high = self._budget - self.sinks
-        self._recent_by_layer = (self._recent_by_layer + step * direction.long()).clamp(min=self._budget // 2, max=high)
+        low, high = self._adapt_range(floor)
+        self._recent_by_layer = (self._recent_by_layer + step * direction.long()).clamp(min=low, max=high)
+
+    def _adapt_range(self, floor: int) -> tuple[int, int]:
+        """adapt=1: the smallest and largest recent window, K/2 and K minus the tokens always kept (``floor``: the
+        sinks, or the prompt with prompt=keep), so that one candidate is left whatever the window."""
+        high = self._budget - floor
+        return min(self._budget // 2, high), high
 
     def settle(self, signals: Signals, values: list[torch.Tensor]) -> None:
         """Credit a refresh's attention to the live tokens (granular: learn which victims left for good)."""
@@ -679,7 +687,7 @@ class EpiKV2(Policy):
 
         K - recent(K) never decreases as K grows, so iterating from below reaches the smallest fixed point.
         """
-        floor = self.sinks + (prompt_len if self.keep_prompt else 0) + 1
+        floor = max(self.sinks, prompt_len if self.keep_prompt else 0) + 1  # the sinks lie inside a kept prompt
         budget = floor
         while budget < (needed := floor + self.recent_for(budget)):
             budget = needed
