@@ -267,7 +267,7 @@ def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: Sam
 
 def _read_bytes(source: Path) -> bytes:
     if source == STDIN:
-        return sys.stdin.buffer.read()
+        return b"" if sys.stdin is None else sys.stdin.buffer.read()  # None: started with stdin closed (`<&-`)
     try:
         return source.read_bytes()
     except OSError as error:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import nullcontext
 
@@ -16,6 +15,7 @@ from epikv_cli.config import (
     SamplingSettings,
 )
 from epikv_cli.core.memory import peak_memory
+from epikv_cli.data.jsonl import encodable, jsonl_line
 from epikv_cli.data.prompts import (
     build_input_ids,
     decode_text,
@@ -56,7 +56,7 @@ def report_nothing_generated(json_output: bool, policy: str, budget: int | None)
     """Ctrl-C before the first token: the zero-token JSON object (with ``--json``) and one line; exit 130."""
     if json_output:
         with writing("stdout"):
-            print(json.dumps(GenerationResult.nothing(policy, budget).to_dict(), ensure_ascii=False), flush=True)
+            print(jsonl_line(GenerationResult.nothing(policy, budget).to_dict(), sys.stdout), end="", flush=True)
     print(interruption_line(0, False), file=sys.stderr)
     return EXIT_INTERRUPTED
 
@@ -67,7 +67,10 @@ def read_prompt(prompt: str | None, warn) -> str:
         return require_text(None)
     if prompt == "-":
         stream = sys.stdin
-        prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+        if stream is None:  # the process was started with stdin closed (`<&-`)
+            prompt = b""
+        else:
+            prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
         if not prompt.strip():
             raise UsageError(
                 "stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an "
@@ -111,7 +114,7 @@ def run_generate(
 
     def emit(text: str) -> None:
         with writing("stdout"):
-            out.write(text)
+            out.write(encodable(text, out))
             out.flush()
 
     generation = view = waiting = None
@@ -169,7 +172,8 @@ def run_generate(
     if result is None:  # interrupted before generation began: nothing to show but the truth
         return report_nothing_generated(json_output, cache.policy, cache.budget)
     if stream_text:
-        emit(generation.tail_text + "\n")
+        if result.generated_tokens:  # close the streamed line (interrupted in the prefill: nothing to close)
+            emit(generation.tail_text + "\n")
     elif use_panel:  # the live panel was transient: print the whole text now
         emit(result.text + "\n")
     if use_panel:
@@ -177,7 +181,7 @@ def run_generate(
         panel_console.print(view.render(with_text=False))
     if json_output:
         with writing("stdout"):
-            print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+            print(jsonl_line(result.to_dict(), sys.stdout), end="", flush=True)
     elif not quiet:
         err.print(f"[dim]{summary_line(result)}[/dim]")
     if interrupted:
@@ -223,7 +227,7 @@ def run_generate_vllm(
         raise UsageError(item.error or "the vLLM engine returned no result")
     if json_output:
         with writing("stdout"):
-            print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+            print(jsonl_line(result.to_dict(), sys.stdout), end="", flush=True)
     else:
         with writing("stdout"):
             print(flush=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from epikv_cli.config import CacheSettings, ModelSettings, PromptSettings, SamplingSettings
+from epikv_cli.data.jsonl import encodable
 from epikv_cli.data.prompts import build_input_ids
 from epikv_cli.errors import UsageError
 from epikv_cli.models.calibration import load_calibration, model_key
@@ -187,8 +188,8 @@ class OnePrompt:
 
 
 def print_text(item: OnePrompt, text: str) -> None:
-    """Stream ``text`` to stdout as it comes."""
-    sys.stdout.write(text)
+    """Stream ``text`` to stdout as it comes (escaped where stdout's encoding lacks a character)."""
+    sys.stdout.write(encodable(text))
     sys.stdout.flush()
 
 

@@ -358,6 +358,9 @@ class BudgetCache(Cache):
                 "bounded already and --budget cannot apply; use --policy full"
             )
         self._first_budget_layer = self.budget_layer_indices[0] if self.budget_layer_indices else None
+        #: set (to the reason) when the session that evicts from this cache has ended: the cache takes no more
+        #: tokens, instead of growing past its budget with nothing to evict
+        self.ended: str | None = None
         self.evicted_total = 0
         self.peak_stored = 0
         #: granular: the vacancies a forward closed before writing several tokens, ``(victims [layers, heads, 1],
@@ -382,6 +385,8 @@ class BudgetCache(Cache):
     # -- transformers hooks -------------------------------------------------------------------
     @torch.compiler.disable  # bookkeeping in Python (slot table, plans): outside any compiled graph
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.ended is not None and layer_idx == 0:
+            raise UsageError(self.ended)
         if layer_idx == self._first_budget_layer:  # the slot table decides once where every evicting layer writes
             count = key_states.shape[-2]
             if self.granular and count != 1 and (closed := self.close_vacant_heads()) is not None:

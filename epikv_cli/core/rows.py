@@ -89,6 +89,8 @@ class RowsLayer(CacheLayerMixin):
         During a batched prefill (:meth:`RowsCache.begin_prefill`) the whole padded ``[B, kv_heads, n,
         head_dim]`` prompt is written to slots ``0 .. n - 1`` instead, as a plain cache would.
         """
+        if self.owner.ended is not None:
+            raise UsageError(self.owner.ended)
         if self.owner.prefilling:
             count = key_states.shape[-2]
             shape = (*key_states.shape[:2], count + PREFILL_HEADROOM, key_states.shape[-1])
@@ -144,6 +146,8 @@ class RowsCache(Cache):
         self.step_lengths: dict[str, int] = {}
         self.prefilling = False
         self.prefill_length = 0  # the padded prompt length of the batched prefill
+        #: set (to the reason) when the session that evicts from this cache has ended: it takes no more tokens
+        self.ended: str | None = None
 
     # -- rows joining and leaving ---------------------------------------------------------------
     @property

@@ -60,9 +60,26 @@ def finished_ids(records: list[dict]) -> set[str]:
 _LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def jsonl_line(record: dict) -> str:
-    """``record`` as one JSONL line (UTF-8 text kept readable, line-breaking characters escaped)."""
-    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKERS) + "\n"
+def jsonl_line(record: dict, stream=None) -> str:
+    """``record`` as one JSONL line (UTF-8 text kept readable, line-breaking characters escaped); for ``stream``
+    (stdout), all non-ASCII escaped where its encoding cannot write the text as is."""
+    line = json.dumps(record, ensure_ascii=False)
+    if stream is not None and encodable(line, stream) != line:
+        line = json.dumps(record)
+    return line.translate(_LINE_BREAKERS) + "\n"
+
+
+def encodable(text: str, stream=None) -> str:
+    """``text`` as ``stream`` (default stdout) can write it: a character its encoding lacks (a Latin-1 or ASCII locale,
+    a Windows code page) becomes a backslash escape instead of a UnicodeEncodeError that would lose the output."""
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:  # an encoding Python does not know: write as is
+        pass
+    return text
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -92,7 +109,7 @@ class JsonlWriter:
                 self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write(self, record: dict) -> None:
-        line = jsonl_line(record)
+        line = jsonl_line(record, sys.stdout if self.fd is None else None)
         if self.fd is None:
             with writing("stdout"):
                 sys.stdout.write(line)

@@ -23,7 +23,7 @@ from epikv_cli.core.rows import RowsCache
 from epikv_cli.errors import UsageError
 from epikv_cli.policies.registry import check_settings
 from epikv_cli.runtime.batched import BatchDecoder
-from epikv_cli.runtime.session import EpiKVSession
+from epikv_cli.runtime.session import ENDED, ROW_POLICIES, EpiKVSession
 
 
 class BatchSession:
@@ -89,6 +89,7 @@ class BatchSession:
         if self._prefilling:
             self._prefilling = False
             self.decoder.finish_prefill([self.settings] * self.batch_size)
+            ROW_POLICIES[self.cache] = self.decoder.policies  # for epikv_cli.policy_of(cache.row(b))
         else:
             self.decoder.finish_step()
             self.decoder.settle(host_copies(self.decoder.pending_reads))
@@ -97,6 +98,7 @@ class BatchSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.cache.ended = ENDED
         self.decoder.close()
 
     def __enter__(self) -> BatchSession:
@@ -139,6 +141,13 @@ def attach(
         batch_size: prompts per ``generate`` call (one cache per call: attach again for the next batch).
         options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
+    if isinstance(policy, str) and ":" in policy:  # the spelling of --policies: point to options= instead
+        name, *pairs = policy.split(":")
+        given = ", ".join(f"{key!r}: {value!r}" for key, _, value in (pair.partition("=") for pair in pairs if pair))
+        raise UsageError(
+            f"policy= takes a policy name, and its options go in options=: "
+            f"attach(model, policy={name!r}, options={{{given}}})"
+        )
     settings = check_settings(
         CacheSettings(
             budget=budget,

@@ -33,11 +33,27 @@ from epikv_cli.runtime.step import Observed, choose, follow, observe
 
 #: The policy evicting from each attached cache (the cache itself holds none): see :func:`policy_of`.
 _POLICIES: WeakKeyDictionary = WeakKeyDictionary()
+#: A batch cache (``attach(..., batch_size=B)``) -> its rows' policies, in row order (registered by ``attach``).
+ROW_POLICIES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+#: Why a cache whose session has closed takes no more tokens (nothing would evict from it).
+ENDED = (
+    "this cache's attach() block has ended, so no policy evicts from it any more: generate inside "
+    "`with epikv_cli.attach(model, ...) as cache:`, or attach again"
+)
 
 
 def policy_of(cache) -> Policy:
     """The policy that evicts from ``cache``, a cache made by :class:`EpiKVSession` (``epikv_cli.attach``), or, for a
     batch, ``cache.row(b)``'s: e.g. ``policy_of(cache).score_of(position)``."""
+    batch = getattr(cache, "cache", None)  # cache.row(b) of a batch cache: its row's policy
+    if batch is not None and hasattr(cache, "index") and batch in ROW_POLICIES:
+        return ROW_POLICIES[batch][cache.index]
+    if cache in ROW_POLICIES:
+        raise UsageError("a batch cache has one policy per row: use epikv_cli.policy_of(cache.row(b))")
+    if cache not in _POLICIES:
+        raise UsageError(f"no EpiKV policy evicts from this {type(cache).__name__}: give a cache epikv_cli.attach made")
     return _POLICIES[cache]
 
 
@@ -137,12 +153,14 @@ class EpiKVSession:
             return None
         if self.cache.seen == 0 and not self._fresh:  # the cache was reset (cache.reset()) for a new sequence
             self._reset()
-        self._set_taps(True)
-        if not self.cache.compressed_positions:
-            return None
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
             inputs = args[0]
+        if self.cache.seen == 0 and inputs is not None:  # refuse a prompt over the budget before the cache takes it
+            self.policy.check_budget(inputs.shape[1], self.cache.budget)
+        self._set_taps(True)
+        if not self.cache.compressed_positions:
+            return None
         kwargs["position_ids"] = self.cache.position_ids(inputs.shape[1], inputs.device)
         return args, kwargs
 
@@ -198,6 +216,7 @@ class EpiKVSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.cache.ended = ENDED
         self.taps.remove()
         if self.attention is not None:
             self.attention.remove()
