@@ -118,8 +118,12 @@ def test_policy_of_a_batch_row_is_that_rows_policy():
     prompts = ["hello there", "a rather longer question"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with epikv_cli.attach(MODEL, budget=40, policy="epikv", batch_size=2) as cache:
+        with pytest.raises(UsageError, match="holds 0 rows, so it has no row 0: generate with it first"):
+            cache.row(0)
         MODEL.generate(**batch, cache=cache, max_new_tokens=30, **GEN)
         rows = [epikv_cli.policy_of(cache.row(b)) for b in range(2)]
+        with pytest.raises(UsageError, match="holds 2 rows, so it has no row 2"):
+            cache.row(2)
         with pytest.raises(UsageError, match=r"policy_of\(cache.row\(b\)\)"):
             epikv_cli.policy_of(cache)
     for prompt, policy in zip(prompts, rows):

@@ -252,6 +252,11 @@ class RowsCache(Cache):
 
     def row(self, index: int) -> RowView:
         """Row ``index`` seen as a single-sequence cache (``stored``, ``seen``, ``evicted_total``, ...)."""
+        if not 0 <= index < len(self.rows):
+            raise UsageError(
+                f"this batch cache holds {len(self.rows)} rows, so it has no row {index}"
+                + ("" if self.rows else ": generate with it first")
+            )
         return RowView(self, index)
 
     def reset(self) -> None:
