@@ -65,6 +65,7 @@ from epikv_cli.data.prompts import (
     has_chat_template,
     no_prompts,
     prompt_file_missing,
+    stdin_bytes,
     valid_messages,
 )
 from epikv_cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, failure_line
@@ -267,7 +268,8 @@ def _parse_json_line(number: int, line: str, cache: CacheSettings, sampling: Sam
 
 def _read_bytes(source: Path) -> bytes:
     if source == STDIN:
-        return b"" if sys.stdin is None else sys.stdin.buffer.read()  # None: started with stdin closed (`<&-`)
+        data = stdin_bytes()
+        return data.encode() if isinstance(data, str) else data
     try:
         return source.read_bytes()
     except OSError as error:

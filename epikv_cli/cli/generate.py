@@ -21,6 +21,7 @@ from epikv_cli.data.prompts import (
     decode_text,
     has_chat_template,
     require_text,
+    stdin_bytes,
 )
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.models.loading import load
@@ -66,11 +67,7 @@ def read_prompt(prompt: str | None, warn) -> str:
     if prompt is None:
         return require_text(None)
     if prompt == "-":
-        stream = sys.stdin
-        if stream is None:  # the process was started with stdin closed (`<&-`)
-            prompt = b""
-        else:
-            prompt = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+        prompt = stdin_bytes()
         if not prompt.strip():
             raise UsageError(
                 "stdin held no prompt text; pipe the prompt in (echo 'text' | epikv generate -) or give it as an "

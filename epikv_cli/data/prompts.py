@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 from epikv_cli.config import PromptSettings
@@ -12,6 +13,15 @@ if TYPE_CHECKING:
     import torch
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def stdin_bytes() -> bytes | str:
+    """All of stdin (bytes, or text where the stream has no byte buffer); empty when the process started with stdin
+    closed (``<&-``: ``sys.stdin`` is None)."""
+    stream = sys.stdin
+    if stream is None:
+        return b""
+    return stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
 
 
 def decode_text(data: bytes | str) -> tuple[str, bool]:

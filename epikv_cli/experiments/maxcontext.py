@@ -33,7 +33,7 @@ from epikv_cli.config import CacheSettings, ModelSettings, SamplingSettings
 from epikv_cli.errors import UsageError
 from epikv_cli.experiments.profile import attention_kernel, prompt_ids
 from epikv_cli.models.loading import load, runs_on_cuda
-from epikv_cli.policies.registry import POLICIES, check_settings, evicts, make_policy
+from epikv_cli.policies.registry import POLICIES, evicts, make_policy
 from epikv_cli.runtime.generation import Generation
 from epikv_cli.runtime.stream import input_device
 
@@ -291,11 +291,7 @@ def run_max_context(model_settings, runs, limit: int, progress=lambda text: None
         )
     for run in runs:  # a policy's options checked before any worker starts
         make_policy(
-            check_settings(
-                CacheSettings(
-                    budget=START_TOKENS if evicts(run.policy) else None, policy=run.policy, options=run.options
-                )
-            )
+            CacheSettings(budget=START_TOKENS if evicts(run.policy) else None, policy=run.policy, options=run.options)
         )
     results = []
     for run in runs:
