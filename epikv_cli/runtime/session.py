@@ -172,10 +172,8 @@ class EpiKVSession:
         if not len(appended):
             self.taps.clear()
             return
-        prompt = appended.start == 0
-        if prompt:
-            self.policy.check_budget(len(appended), self.cache.budget)
-        elif len(appended) > 1:
+        prompt = appended.start == 0  # its budget was checked before the forward
+        if not prompt and len(appended) > 1:
             raise UsageError(
                 "EpiKV needs the whole prompt in the first forward and one token per step after it; "
                 "drop prefill_chunk_size, and start a new cache for each conversation turn"
