@@ -16,6 +16,7 @@ from epikv_cli.data.jsonl import JsonlWriter, id_key, read_results, sort_by_line
 from epikv_cli.data.problems import Problem
 from epikv_cli.errors import EXIT_INTERRUPTED, UsageError, writing
 from epikv_cli.experiments.evaluate import (
+    check_references,
     eval_records,
     load_eval_problems,
     remaining,
@@ -121,6 +122,7 @@ def eval_command(
     run = {**model_run(model_settings), "max_new_tokens": max_new_tokens}
     fingerprints = problem_fingerprints(problems, run, dataset)
     previous = resumable(files.output, files.resume, fingerprints)
+    check_references(files.output, previous, problems, dataset)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     placed = dataclasses.replace(model_settings, device_map=ranks.device_map(model_settings.device_map))
     loaded = load(placed, None if quiet else (lambda message: err.print(f"[dim]{message}[/dim]")))

@@ -95,10 +95,7 @@ def load_problems(
 ) -> list[Problem]:
     """Problems ``offset .. offset + limit`` of ``source`` (plain text or JSONL), blank lines skipped;
     ``option`` is the flag that named the file, for messages."""
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {limit}")
-    if offset < 0:
-        raise UsageError(f"--offset must be 0 or more, got {offset}")
+    check_range(limit, offset)
     if not source.is_file():
         raise prompt_file_missing(option, source)
     try:
@@ -129,6 +126,14 @@ def load_problems(
     return problems
 
 
+def check_range(limit: int | None, offset: int) -> None:
+    """:class:`UsageError` for a ``--limit`` under 1 or a negative ``--offset``."""
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {limit}")
+    if offset < 0:
+        raise UsageError(f"--offset must be 0 or more, got {offset}")
+
+
 def refuse_duplicate_ids(source: str, problems: list[Problem]) -> None:
     """:class:`UsageError` when two problems share an id (``--resume`` skips by id: one would never run)."""
     first: dict[str, int] = {}
@@ -142,9 +147,14 @@ def refuse_duplicate_ids(source: str, problems: list[Problem]) -> None:
         first[key] = problem.line
 
 
-def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> list[Problem]:
-    """A benchmark by name through the ``datasets`` library (needs the Hugging Face Hub)."""
+def load_hub_dataset(
+    name: str, limit: int | None = None, offset: int = 0, field: str | None = None, answer_field: str = "answer"
+) -> list[Problem]:
+    """A benchmark by name through the ``datasets`` library (needs the Hugging Face Hub): rows ``offset .. offset +
+    limit``, numbered from 1 as the lines of its JSONL export are (a row without an id has that number as its id)."""
     repository, config, split, question = HUB_DATASETS[name]
+    question = field or question
+    check_range(limit, offset)
     try:
         import datasets  # noqa: PLC0415 (datasets: an optional extra (epikv[hub]), needed only for dataset names)
     except ImportError:
@@ -161,10 +171,22 @@ def load_hub_dataset(name: str, limit: int | None = None, offset: int = 0) -> li
         ) from None
     stop = None if limit is None else offset + limit
     problems = [
-        Problem(row.get("id", row.get("unique_id", i)), i + 1, prompt=row[question], answer=_answer(row.get("answer")))
+        Problem(
+            row.get("id", row.get("unique_id", i + 1)),
+            i + 1,
+            prompt=row.get(question),
+            answer=_answer(row.get(answer_field)),
+        )
         for i, row in enumerate(rows)
         if i >= offset and (stop is None or i < stop)
     ]
+    if not problems:
+        raise UsageError(f"{repository} holds no problems from --offset {offset} on; give a smaller --offset")
+    missing = next((p for p in problems if not isinstance(p.prompt, str)), None)
+    if missing is not None:
+        raise UsageError(
+            f"{repository} row {missing.line}: no '{question}' text field; name the question's field with --field"
+        )
     refuse_duplicate_ids(repository, problems)
     return problems
 

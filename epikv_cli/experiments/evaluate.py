@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from epikv_cli.config import SamplingSettings
+from epikv_cli.data.jsonl import id_key
 from epikv_cli.data.problems import (
     HUB_DATASETS,
     Problem,
@@ -42,10 +44,15 @@ def last_boxed(text: str) -> str | None:
     if brace < 0:
         return None
     depth = 0
-    for index in range(brace, len(text)):
+    index = brace
+    while index < len(text):
+        if text[index] == "\\":  # an escaped character (\{ \} of a set or a \left\{ ... \right.): no group brace
+            index += 2
+            continue
         depth += {"{": 1, "}": -1}.get(text[index], 0)
         if depth == 0:
             return text[brace + 1 : index].strip()
+        index += 1
     return None
 
 
@@ -57,9 +64,19 @@ def after_hashes(text: str) -> str | None:
     return answer[0].replace(",", "").strip() if answer else None
 
 
+#: A GSM8K-style answer line, ``#### N`` with N a number (not a markdown heading such as ``#### 2. Add them``).
+HASHED_NUMBER = re.compile(r"####[^\S\n]*\$?[^\S\n]*(-?(?:\d[\d,]*(?:\.\d+)?|\.\d+))[^\S\n]*\.?[^\S\n]*$", re.MULTILINE)
+
+
+def hashed_number(text: str) -> str | None:
+    """The number of the last ``#### N`` line of ``text``, commas dropped."""
+    numbers = HASHED_NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
 def model_answer(text: str) -> str | None:
-    """The model's final answer: the last boxed expression, else a ``#### N`` line."""
-    return last_boxed(text) or after_hashes(text)
+    """The model's final answer: the last boxed expression, else the last ``#### N`` line's number."""
+    return last_boxed(text) or hashed_number(text)
 
 
 def reference_answer(answer: str) -> str:
@@ -210,7 +227,7 @@ def load_eval_problems(
 ) -> list[Problem]:
     """The problems of ``dataset`` (a JSONL file, or a name loaded from the Hub), each with its reference answer."""
     if dataset in HUB_DATASETS and not Path(dataset).exists():
-        problems = load_hub_dataset(dataset, limit, offset)
+        problems = load_hub_dataset(dataset, limit, offset, field, answer_field)
     else:
         problems = load_problems(
             Path(dataset), field=field, answer_field=answer_field, limit=limit, offset=offset, option="--dataset"
@@ -222,6 +239,24 @@ def load_eval_problems(
             "--answer-field"
         )
     return problems
+
+
+def check_references(path: Path | None, previous: list[dict], problems: list[Problem], dataset: str) -> None:
+    """Refuse (:class:`UsageError`) to continue ``path`` when a finished record of one of ``problems`` was judged
+    against another reference answer than ``dataset`` gives now (an answer corrected since, another
+    ``--answer-field``): its ``correct`` would be counted beside ones judged against the new answer."""
+    references = {id_key(p.id): p for p in problems}
+    for record in previous:
+        problem = references.get(id_key(record["id"]))
+        if record.get("error") is not None or problem is None or "reference" not in record:
+            continue
+        reference = reference_answer(problem.answer)
+        if record["reference"] != reference:
+            raise UsageError(
+                f"--resume: id {json.dumps(record['id'])} in {path} was judged against the answer "
+                f"{json.dumps(record['reference'])}, {dataset} line {problem.line} gives {json.dumps(reference)}; "
+                "rerun with the same answers, or use --overwrite or another --output"
+            )
 
 
 def remaining(problems: list[Problem], configs: list[Config], previous: list[dict]) -> list[tuple[Problem, Config]]:
