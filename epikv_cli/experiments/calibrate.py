@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from epikv_cli.config import CacheSettings
+from epikv_cli.core.cache import FULL, SLIDING, layer_groups
 from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
 from epikv_cli.data.problems import Problem, protocol_ids
 from epikv_cli.errors import UsageError
 from epikv_cli.models.calibration import Calibration, model_key, save_calibration
-from epikv_cli.runtime.stream import CacheStream
+from epikv_cli.runtime.stream import CacheStream, input_device
 
 WINDOW = 32
 STRIDE = 16
@@ -84,18 +85,35 @@ def trace(model, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.T
 
 def window_labels(model, sequence: list[int], prompt_len: int, new_tokens: int) -> list[tuple[int, float]]:
     """``(start, label)`` per window of the generated tokens: the mean KL(full || window hidden) over the
-    tokens after the window, from one masked full-sequence forward per window."""
-    ids = torch.tensor([sequence])
+    tokens after the window, from one masked full-sequence forward per window.
+
+    The window is hidden from the full-attention layers only, as eviction hides it: sliding-window layers (Gemma 3's
+    local ones) are not evicted from, and keep their own window (the masks given replace the model's)."""
+    device = input_device(model)
+    dtype = next(model.parameters()).dtype
+    groups, layer_kwargs = layer_groups(model.config)
+    ids = torch.tensor([sequence], device=device)
     total = len(sequence)
+
+    def additive(visible: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1, 1, total, total, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+
+    causal = torch.tril(torch.ones(total, total, dtype=torch.bool, device=device))
+    sliding = None
+    if SLIDING in groups:
+        window = next(kwargs["sliding_window"] for group, kwargs in zip(groups, layer_kwargs) if group == SLIDING)
+        position = torch.arange(total, device=device)
+        sliding = additive(causal & (position[:, None] - position[None, :] < window))
     with torch.inference_mode():
         reference = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), dim=-1)
         labels = []
-        causal = torch.tril(torch.ones(total, total, dtype=torch.bool))
         for start in range(0, new_tokens - WINDOW - 1, STRIDE):
             first, last = prompt_len + start, prompt_len + start + WINDOW  # generated tokens [start, start + 32)
             visible = causal.clone()
             visible[last:, first:last] = False  # evicted once the window is complete: later queries miss it
-            mask = torch.zeros(1, 1, total, total).masked_fill(~visible, float("-inf"))
+            mask = additive(visible)
+            if sliding is not None:  # a model whose every layer slides: nothing is hidden (calibrate refuses it)
+                mask = {"full_attention": mask, "sliding_attention": sliding} if FULL in groups else sliding
             hidden = torch.log_softmax(
                 model(ids, attention_mask=mask, use_cache=False).logits[0, last:].float(), dim=-1
             )
@@ -130,6 +148,11 @@ def calibrate(
     if new_tokens < WINDOW + STRIDE:
         raise UsageError(
             f"--new-tokens must be at least {WINDOW + STRIDE} for {WINDOW}-token windows, got {new_tokens}"
+        )
+    if FULL not in layer_groups(model.config)[0]:
+        raise UsageError(
+            "every layer of this model uses sliding-window attention, so no budget evicts from it: there are no "
+            "EpiKV bands to calibrate"
         )
     samples = samples if samples is not None else WindowSamples()
     for index, ids in enumerate(prompts_ids):

@@ -198,6 +198,10 @@ def replay(
             [decoder.add(ids, reference_settings, total)] + [decoder.add(ids, s, total) for _, s in runnable]
         )
         agreements = [Agreement(trace=[] if trace else None) for _ in runnable]
+        # per config: what it had evicted before the forward that computed these logits (the prefill's: nothing).
+        # Not evicted_total less last_evicted: a per-head policy counts slots per head but lists only the positions
+        # no head holds any more, so its first eviction would count the logits computed before it.
+        evicted_before = [0] * len(runnable)
         tokens: list[int] = []
         for step in range(new_tokens):
             log_probs = torch.log_softmax(logits[0].float(), dim=-1)
@@ -208,13 +212,12 @@ def replay(
                 kl = (log_probs.exp() * (log_probs - policy_log_probs)).sum(dim=-1).tolist()
                 agree = (policy_log_probs.argmax(dim=-1) == token).tolist()
                 nll = (-policy_log_probs[:, token]).tolist()
-            for row, agreement in enumerate(agreements, start=1):
-                state = decoder.cache.rows[row]
-                filled = state.evicted_total > len(state.last_evicted)  # evicted before these logits
-                agreement.add(kl[row - 1], agree[row - 1], nll[row - 1], filled)
+            for index, agreement in enumerate(agreements):
+                agreement.add(kl[index], agree[index], nll[index], evicted_before[index] > 0)
             advance()
             if step == new_tokens - 1:
                 break
+            evicted_before = [decoder.cache.rows[row].evicted_total for row in range(1, len(runnable) + 1)]
             logits = decoder.step(torch.full((decoder.batch,), token))
         for row, ((index, _), agreement) in enumerate(zip(runnable, agreements), start=1):
             view = decoder.row(row)
