@@ -194,3 +194,20 @@ def test_bands_option_picks_default_or_calibrated_whatever_else_is_there():
         bands("calibrated", calibration=None)
     with pytest.raises(UsageError, match="choose auto, default or calibrated"):
         bands("best")
+
+
+def test_a_calibration_measured_on_a_model_of_another_depth_is_not_used():
+    """Bands saved for another model at the same path (a directory replaced, 28 layers measured, 32 here) whose
+    layers happen to fit: auto takes the depth-fraction default, bands=calibrated refuses naming both depths."""
+    from epikv_cli.config import CacheSettings
+    from epikv_cli.models.calibration import Calibration
+    from epikv_cli.policies.registry import make_policy
+
+    other = Calibration("m", [(3, 1.0), (7, -1.0)], [0.0] * 28, 10, 2, 64, path="bands.json")
+    policy = make_policy(CacheSettings(budget=100, policy="epikv"))
+    policy.setup(32, other)
+    assert [(b.layer, b.sign) for b in policy.bands] == [(10, 1.0), (21, -1.0)]
+    assert policy.bands_source.startswith("default")
+    chosen = make_policy(CacheSettings(budget=100, policy="epikv", options=(("bands", "calibrated"),)))
+    with pytest.raises(UsageError, match=r"\(bands.json\) was measured on a model of 28 layers and this one has 32"):
+        chosen.setup(32, other)

@@ -111,7 +111,15 @@ class EpiKV(ScoredPolicy):
     def setup(self, num_layers: int, calibration=None) -> None:
         """Bands: ``--bands`` if given, else the model's calibrated bands, else the depth-fraction default
         (``bands=default`` or ``bands=calibrated`` picks one of the last two whatever else is there)."""
-        usable = calibration is not None and all(0 <= layer < num_layers for layer, _ in calibration.bands)
+        # a calibration measured on another model (one layer per Spearman figure) is not this model's
+        measured = calibration is not None and len(calibration.spearman) == num_layers
+        usable = measured and all(0 <= layer < num_layers for layer, _ in calibration.bands)
+        if self.band_source == "calibrated" and calibration is not None and not measured:
+            raise UsageError(
+                f"epikv:bands=calibrated, but the saved calibration ({calibration.path or calibration.model}) was "
+                f"measured on a model of {len(calibration.spearman)} layers and this one has {num_layers}; run "
+                "`epikv calibrate` again"
+            )
         if self.band_source == "calibrated" and not usable:
             raise UsageError(
                 "epikv:bands=calibrated, but this model has no saved calibration; run `epikv calibrate` first"
