@@ -236,6 +236,19 @@ def _prefill(loaded, ids, cache, kernel: str | None, limit: int) -> ProbeResult:
         return ProbeResult(length, False, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
+def probe_cache(setup: dict, length: int) -> CacheSettings:
+    """The cache a probe of ``length`` tokens prefills into: no budget for a policy that does not evict, else one
+    that holds the whole prompt and what the policy's options keep beside it (``epikv2:prompt=keep`` asks for about
+    four times the prompt), so that the policy accepts every length the search tries (a refused budget ended the
+    worker, and the probe counted as out of memory)."""
+    policy, options = setup["policy"], tuple((key, value) for key, value in setup.get("options", ()))
+    if not evicts(policy):
+        return CacheSettings(budget=None, policy=policy, options=options)
+    budget = 2 * length + 256
+    floor = make_policy(CacheSettings(budget=budget, policy=policy, options=options)).budget_floor(length).tokens
+    return CacheSettings(budget=max(budget, floor), policy=policy, options=options)
+
+
 def _worker(reply_fd: int) -> None:  # pragma: no cover - runs in the child process (tested through run_max_context)
     """Load the model named by the first line of stdin, then answer each length that follows with one
     :class:`ProbeResult` line on ``reply_fd``."""
@@ -258,11 +271,7 @@ def _worker(reply_fd: int) -> None:  # pragma: no cover - runs in the child proc
         for line in sys.stdin:
             length = json.loads(line)["length"]
             ids = prompt_ids(loaded.tokenizer, length)
-            cache = CacheSettings(
-                budget=2 * length + 256 if evicts(setup["policy"]) else None,
-                policy=setup["policy"],
-                options=tuple((key, value) for key, value in setup.get("options", ())),
-            )
+            cache = probe_cache(setup, length)
             result = _prefill(loaded, ids, cache, setup["kernel"], setup["limit"])
             if cuda:
                 torch.cuda.empty_cache()

@@ -262,9 +262,9 @@ def measure_batch(model, ids: torch.Tensor, cache: CacheSettings, new_tokens: in
             logits = torch.stack([decoder.add(ids, cache, ids.shape[1] + new_tokens) for _ in range(batch_size)])
             tokens = logits.argmax(dim=-1)
             host_copies([tokens])  # the prefill's last kernels have run
-            prefill_seconds = time.perf_counter() - start
             prefill_memory = peak_memory(device)[0]
-            reset_peak(device)
+            reset_peak(device)  # (its heap trim is the prefill's time, as in Generation: not the decode's)
+            prefill_seconds = time.perf_counter() - start
             elapsed = [prefill_seconds]
             for _ in range(new_tokens - 1):
                 logits = decoder.forward(tokens)
