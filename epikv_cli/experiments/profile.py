@@ -376,8 +376,9 @@ def run_profile(
 def measure_vllm(llm, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, batch_size: int) -> RunMeasure:
     """``batch_size`` copies of ``ids`` ``[1, n]`` submitted together to ``llm`` (a vLLM engine for ``cache``, built
     with ``report=True``) for ``new_tokens`` greedy tokens each (EOS ignored); vLLM schedules them. Prefill seconds:
-    until every request has its first token; decode tokens/s: every request's later tokens over the time after
-    that; KV bytes: the pages vLLM allocated to the batch's requests (one ring of K + 1 slots per layer each)."""
+    until every request has its first token; decode tokens/s: the tokens generated after that, over the time after
+    that (a request whose first token came steps earlier had made more by then: those are not counted); KV bytes:
+    the pages vLLM allocated to the batch's requests (one ring of K + 1 slots per layer each)."""
     from vllm import SamplingParams  # noqa: PLC0415 (vllm: only for --engine vllm)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415 (vllm: ditto)
 
@@ -394,21 +395,24 @@ def measure_vllm(llm, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, 
     for name in names:
         engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
     first: dict[str, float] = {}
+    made: dict[str, int] = {}  # tokens per request so far (the outputs are cumulative, vLLM's default)
     elapsed: list[float] = []
-    prefill_memory = 0
+    prefill_memory = made_by_then = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for output in outputs:
-            if output.outputs[0].token_ids and output.request_id not in first:
+            made[output.request_id] = len(output.outputs[0].token_ids)
+            if made[output.request_id] and output.request_id not in first:
                 first[output.request_id] = now
         if len(first) == batch_size:
             if not elapsed:
                 prefill_memory = peak_memory(device)[0]
                 reset_peak(device)
+                made_by_then = sum(made.values())
             elapsed.append(now)
     decode_memory, kind = peak_memory(device)
-    ring = ring_of(llm) if cache.policy != "full" else None
+    ring = ring_of(llm) if evicts(cache.policy) else None
     rings = ring.holding(prompt) if ring is not None else []
     if ring is not None:
         kv_bytes = ring.request_bytes()
@@ -419,7 +423,7 @@ def measure_vllm(llm, ids: torch.Tensor, cache: CacheSettings, new_tokens: int, 
     decode_seconds = elapsed[-1] - elapsed[0]
     return RunMeasure(
         prefill_seconds=max(first.values()) - start,
-        decode_tokens_per_s=batch_size * (new_tokens - 1) / decode_seconds,
+        decode_tokens_per_s=(sum(made.values()) - made_by_then) / decode_seconds,
         flatness=flatness(elapsed),
         prefill_peak_memory_bytes=prefill_memory,
         decode_peak_memory_bytes=decode_memory,
