@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from epikv_cli.config import CacheSettings, Calibration
+from epikv_cli.policies.registry import evicts
 from epikv_cli.vllm.ring import RingCache, check_policy, page_slots
 from epikv_cli.vllm.settings import SPLITTING_OPS, TOKENIZER_MODE, architecture_for, config_for
 
@@ -77,7 +78,7 @@ def engine_arguments(cache: CacheSettings, engine: VllmSettings) -> dict:
     }
     if engine.kv_cache_bytes is not None:
         arguments["kv_cache_memory_bytes"] = engine.kv_cache_bytes
-    if cache.policy == "full":
+    if not evicts(cache.policy):
         return arguments
     extra = config_for(cache, engine.calibration)
     extra["epikv"].update(trace=engine.trace, report=engine.report)
@@ -117,7 +118,7 @@ def request_bytes(model: str, cache: CacheSettings, max_model_len: int, dtype: s
     heads = text.num_key_value_heads or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = 4 if checkpoint_dtype(config, dtype) == "float32" else 2
-    if cache.policy == "full":
+    if not evicts(cache.policy):
         slots = -(-max_model_len // 128) * 128
     else:
         slots = page_slots(cache, text.num_attention_heads, heads)

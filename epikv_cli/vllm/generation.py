@@ -20,7 +20,7 @@ from vllm.inputs import TokensPrompt
 from epikv_cli.config import CacheSettings, SamplingSettings
 from epikv_cli.core.memory import peak_memory
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import make_policy
+from epikv_cli.policies.registry import evicts, make_policy
 from epikv_cli.runtime.batchgen import Request
 from epikv_cli.runtime.generation import GenerationResult
 from epikv_cli.vllm.engine import ring_of
@@ -91,7 +91,7 @@ class VllmGeneration:
         self.cache = cache
         self.eos_ids = eos_ids
         self.on_text = on_text
-        self.ring = ring_of(llm) if cache.policy != "full" else None
+        self.ring = ring_of(llm) if evicts(cache.policy) else None
 
     def _refusal(self, request: Request) -> UsageError | None:
         """Why ``request`` cannot run on this engine, or None."""
@@ -101,7 +101,7 @@ class VllmGeneration:
                 "drop this line's own cache settings"
             )
         try:
-            if self.cache.policy != "full":
+            if evicts(self.cache.policy):
                 check_prompt(make_policy(self.cache), self.cache, request.input_ids.shape[1])
         except UsageError as error:
             return error
@@ -179,7 +179,7 @@ class VllmGeneration:
             generated_tokens=generated,
             evicted=ring.evicted_total if ring is not None else 0,
             peak_stored=ring.peak_stored if ring is not None else 0,
-            budget=self.cache.budget if self.cache.policy != "full" else None,
+            budget=self.cache.budget if evicts(self.cache.policy) else None,
             policy=self.cache.policy,
             stop_reason=reason,
             prefill_seconds=round(first - state.started, 6),
