@@ -105,6 +105,15 @@ class PanelState:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def tail(self, chars: int) -> tuple[str, bool]:
+        """At least the last ``chars`` characters of the text (whole pieces), and whether that is all of it: what a
+        draw reads, instead of joining every piece so far."""
+        size, start = 0, len(self.pieces)
+        while start and size < chars:
+            start -= 1
+            size += len(self.pieces[start])
+        return "".join(self.pieces[start:]), start == 0
+
     def token_at(self, position: int) -> int:
         prompt = len(self.prompt_ids)
         return self.prompt_ids[position] if position < prompt else self.generated[position - prompt]
@@ -144,18 +153,43 @@ class PanelView:
         if console is None or width is None:
             shown = Text("\n".join(self.state.text.splitlines()[-lines:]))
         else:
-            rows = Text(self.state.text).wrap(console, max(1, width - 4))  # inside the border and its padding
-            shown = Text("\n").join(list(rows)[-lines:])
+            shown = Text("\n").join(self._last_rows(console, max(1, width - 4), lines))  # inside border and padding
         return Panel(shown, title="text", title_align="left", border_style="white")
 
-    def cache_panel(self) -> Panel:
+    def _last_rows(self, console: Console, width: int, count: int) -> list[Text]:
+        """The last ``count`` rows of the text wrapped to ``width`` cells, wrapping only the end of it, so that a
+        draw costs as much after 100,000 tokens as after 100 (wrapping all of it made each draw slower, and the
+        live panel, which waits 100 times a draw's time between draws, froze for longer and longer). Lines read
+        whole are wrapped as in the whole text; a line that starts before what was read is wrapped from the first
+        word boundary read (the same characters, its line breaks possibly elsewhere)."""
+        if count <= 0:
+            return []
+        chars = 2 * (count + 1) * (width + 1)
+        while True:
+            text, whole = self.state.tail(chars)
+            if whole:
+                return list(Text(text).wrap(console, width))[-count:]
+            cut = text.find("\n")
+            rows = list(Text(text[cut + 1 :]).wrap(console, width)) if cut >= 0 else []
+            head = text[:cut] if cut >= 0 else text
+            if len(rows) < count and head:
+                space = head.find(" ")
+                head = head[space + 1 :] if 0 <= space < len(head) - 1 else head
+                rows = list(Text(head).wrap(console, width)) + rows
+            if len(rows) >= count:
+                return rows[-count:]
+            chars *= 2  # zero-width characters, or a line that ended just before what was read
+
+    def cache_panel(self, width: int | None = None) -> Panel:
+        """Stored / K, logical length, evicted, speed. With the terminal's ``width`` (the live panel), each is one
+        row, as :meth:`fit` counts them: cut with "…" rather than wrapped, the bar narrower first."""
         s = self.state
         if s.budget:
             fill = min(1.0, s.stored / s.budget)
-            cells = int(30 * fill)
-            stored = Text.assemble(
-                ("█" * cells + "░" * (30 - cells), "green" if fill < 1 else "yellow"), f" {s.stored} / {s.budget}"
-            )
+            numbers = f" {s.stored} / {s.budget}"
+            bar = 30 if width is None else max(0, min(30, width - 4 - 15 - len(numbers)))
+            cells = int(bar * fill)
+            stored = Text.assemble(("█" * cells + "░" * (bar - cells), "green" if fill < 1 else "yellow"), numbers)
         else:
             stored = Text(f"{s.stored} (no budget)")
         speed = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "…"
@@ -173,6 +207,8 @@ class PanelView:
             ("decode         ", "bold"),
             f"{speed}   {memory}",
         )
+        if width is not None:
+            lines.no_wrap, lines.overflow = True, "ellipsis"
         return Panel(lines, title="cache", title_align="left", border_style="blue")
 
     def _evicted_line(self) -> str:
@@ -181,8 +217,14 @@ class PanelView:
             return f"{s.spans.total} in {len(s.spans)} spans"
         return f"{s.evicted_total} per KV head; by every head {s.spans.total}, in {len(s.spans)} spans"
 
-    def spans_panel(self, count: int = SPANS_SHOWN) -> Panel:
-        lines = Text(f"{'positions':>13}  {'n':>5}  text", style="dim")
+    def spans_panel(self, count: int = SPANS_SHOWN, crop: bool = False) -> Panel:
+        """The ``count`` newest spans; ``crop``: one row each, cut with "…" (the live panel: :meth:`fit`)."""
+        lines = Text(
+            f"{'positions':>13}  {'n':>5}  text",
+            style="dim",
+            no_wrap=crop or None,
+            overflow="ellipsis" if crop else None,
+        )
         for span in self.state.spans.newest(count):
             where = f"{span.start}–{span.end}"
             lines.append(f"\n{where:>13}  {len(span):>5}  {_snippet(self._decode(span.start, span.end))}")
@@ -194,22 +236,30 @@ class PanelView:
         )
         return Panel(lines, title=title, title_align="left", border_style="magenta")
 
-    def scores_panel(self, spikes: int = SPIKES_SHOWN) -> Panel:
-        """The sparkline, the newest ``spikes`` spikes and the bands (one row, cut to the width)."""
+    def scores_panel(self, spikes: int = SPIKES_SHOWN, crop: bool = False) -> Panel:
+        """The sparkline, the newest ``spikes`` spikes and the bands (one row, cut to the width); ``crop``: every
+        row one row, cut with "…" (the live panel: :meth:`fit`)."""
         s = self.state
         values = [score for _, score in s.scores]
-        spike_positions = {p for p, _ in s.spikes}
-        spike_index = {i for i, (p, _) in enumerate(s.scores) if p in spike_positions}
+        # every score above the threshold is a spike, not only the newest few that are listed
+        spike_index = {i for i, score in enumerate(values) if score > s.spike_threshold}
         rows: list[RenderableType] = [Sparkline(values, spike_index)]
         if s.spikes:
-            listed = Text()
+            listed = Text(no_wrap=crop or None, overflow="ellipsis" if crop else None)
             for i, (position, score) in enumerate(list(reversed(s.spikes))[:spikes]):
                 token = self.tokenizer.decode([s.token_at(position)], skip_special_tokens=True)
                 listed.append(("\n" if i else "") + f"▲ {score:+.2f}", style="bold red")
                 listed.append(f"  @{position:<6} {token!r}")
             rows.append(listed)
         else:
-            rows.append(Text(f"no spikes above z = {s.spike_threshold:g} yet", style="dim"))
+            rows.append(
+                Text(
+                    f"no spikes above z = {s.spike_threshold:g} yet",
+                    style="dim",
+                    no_wrap=crop or None,
+                    overflow="ellipsis" if crop else None,
+                )
+            )
         if s.bands:
             rows.append(Text(f"bands {s.bands}", style="dim", no_wrap=True, overflow="ellipsis"))
         return Panel(
@@ -228,11 +278,11 @@ class PanelView:
             layout = self.fit(console.height - 1, with_text)  # the last row holds the cursor
         width = console.width if console is not None else None
         parts: list[RenderableType] = [self.text_panel(layout.text, console, width)] if layout.text else []
-        parts.append(self.cache_panel())
+        parts.append(self.cache_panel(width))
         if layout.spans:
-            parts.append(self.spans_panel(layout.spans))
+            parts.append(self.spans_panel(layout.spans, crop=console is not None))
         if layout.spikes:
-            parts.append(self.scores_panel(layout.spikes))
+            parts.append(self.scores_panel(layout.spikes, crop=console is not None))
         return Group(*parts)
 
     def full_layout(self, with_text: bool = True) -> PanelLayout:
