@@ -151,3 +151,21 @@ def test_newest_spans_do_not_sort_every_span():
     finally:
         sys.setprofile(None)
     assert len(calls) < 20, len(calls)
+
+
+def test_the_final_panel_gives_the_summary_lines_speed(tiny_model_dir):
+    """After the run the panel's decode speed is the result's (the summary line's and --json's), not the one the
+    live panel last computed from its step events."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from epikv_cli.cli.app import app
+
+    args = ["generate", "--model", str(tiny_model_dir), "-n", "40", "-b", "24", "--ignore-eos", "--panel", "hi"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.stderr
+    panel = re.findall(r"decode\s+([\d.]+) tok/s", done.stderr)
+    summary = re.findall(r"tokens, ([\d.]+) tok/s decode", done.stderr)
+    assert len(panel) == 1 and len(summary) == 1, done.stderr
+    assert panel == summary

@@ -174,7 +174,8 @@ def run_generate(
     elif use_panel:  # the live panel was transient: print the whole text now
         emit(result.text + "\n")
     if use_panel:
-        view.state.memory_bytes = result.peak_memory_bytes
+        view.state.memory_bytes = result.peak_memory_bytes  # the final panel says what the summary line says
+        view.state.tokens_per_s = result.decode_tokens_per_s
         panel_console.print(view.render(with_text=False))
     if json_output:
         with writing("stdout"):
