@@ -54,6 +54,11 @@ def layer_groups(config: PretrainedConfig) -> tuple[list[str], list[dict]]:
     return groups, layer_kwargs
 
 
+def sliding_window(layer_kwargs: list[dict]) -> int | None:
+    """The sliding layers' window in tokens (from :func:`layer_groups`' layer arguments), None where none slides."""
+    return next((kwargs["sliding_window"] for kwargs in layer_kwargs if kwargs.get("sliding_window")), None)
+
+
 def entry_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
     """Bytes one entry (one token, every KV head) takes in ``[batch, kv_heads, slots, dim]`` key and value buffers."""
     return keys.shape[1] * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())

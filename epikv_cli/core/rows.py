@@ -33,6 +33,7 @@ from epikv_cli.core.cache import (
     evict_heads,
     layer_groups,
     move_entries,
+    sliding_window,
 )
 from epikv_cli.core.keepsets import HeadSlots, HeadVictims, grown_capacity
 from epikv_cli.errors import UsageError
@@ -127,9 +128,7 @@ class RowsCache(Cache):
     def __init__(self, config: PretrainedConfig) -> None:
         groups, layer_kwargs = layer_groups(config)
         self.groups = groups
-        self.window = next(
-            (kwargs.get("sliding_window") for kwargs in layer_kwargs if kwargs.get("sliding_window")), None
-        )
+        self.window = sliding_window(layer_kwargs)
         super().__init__(layers=[RowsLayer(group, self) for group in groups])
         self.full_layer_indices = [i for i, group in enumerate(groups) if group == FULL]
         for order, index in enumerate(self.full_layer_indices):

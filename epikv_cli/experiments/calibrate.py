@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epikv_cli.config import CacheSettings
-from epikv_cli.core.cache import FULL, SLIDING, layer_groups
+from epikv_cli.core.cache import FULL, layer_groups, sliding_window
 from epikv_cli.core.taps import HiddenStateTaps, decoder_blocks
 from epikv_cli.data.problems import Problem, protocol_ids
 from epikv_cli.errors import UsageError
@@ -100,8 +100,7 @@ def window_labels(model, sequence: list[int], prompt_len: int, new_tokens: int) 
 
     causal = torch.tril(torch.ones(total, total, dtype=torch.bool, device=device))
     sliding = None
-    if SLIDING in groups:
-        window = next(kwargs["sliding_window"] for group, kwargs in zip(groups, layer_kwargs) if group == SLIDING)
+    if (window := sliding_window(layer_kwargs)) is not None:
         position = torch.arange(total, device=device)
         sliding = additive(causal & (position[:, None] - position[None, :] < window))
     with torch.inference_mode():

@@ -21,7 +21,7 @@ from epikv_cli.core.cache import BudgetCache
 from epikv_cli.core.hostread import host_copies
 from epikv_cli.core.rows import RowsCache
 from epikv_cli.errors import UsageError
-from epikv_cli.policies.registry import check_settings
+from epikv_cli.policies.registry import check_settings, parse_policy_spec
 from epikv_cli.runtime.batched import BatchDecoder
 from epikv_cli.runtime.session import ENDED, ROW_POLICIES, EpiKVSession
 
@@ -142,8 +142,8 @@ def attach(
         options: the policy's options, as ``--policy-option`` takes them, e.g. ``{"keep": "head"}`` for epikv2.
     """
     if isinstance(policy, str) and ":" in policy:  # the spelling of --policies: point to options= instead
-        name, *pairs = policy.split(":")
-        given = ", ".join(f"{key!r}: {value!r}" for key, _, value in (pair.partition("=") for pair in pairs if pair))
+        name, pairs = parse_policy_spec(policy)
+        given = ", ".join(f"{key!r}: {value!r}" for key, value in pairs)
         raise UsageError(
             f"policy= takes a policy name, and its options go in options=: "
             f"attach(model, policy={name!r}, options={{{given}}})"
